@@ -1,0 +1,1 @@
+"""Turning facts into verdicts: vLLM-compatible hashing, residency index, attribution, spans."""

@@ -1,0 +1,42 @@
+"""The `kvmiss` command line. Each subcommand lives in its own module and registers itself
+through `SUBCOMMANDS`; the modules keep their imports lazy so `kvmiss --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module under kvmiss.enricher.cli, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+
+    "decode": ("decode_cmd", "decode captured KV-event frames (JSON lines in/out)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmiss",
+        description="Explain why each LLM request missed the prefix cache.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        mod = importlib.import_module(f"{__name__}.{module}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:  # `kvmiss decode | head` is normal use
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

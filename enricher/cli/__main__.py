@@ -1,0 +1,5 @@
+import sys
+
+from kvmiss.enricher.cli import main
+
+sys.exit(main())

@@ -1,0 +1,207 @@
+"""Attribution types: what a request claims, what the residency index proves, what we conclude.
+
+    RequestFacts (from spans or a request record)
+      + Evidence (from the residency index, judged at the lookup time)
+      -> Verdict (label, owner, reason, facts)            see shared/spec/ATTRIBUTION.md
+
+Times are engine wall-clock seconds (float), the clock that stamps KV-event batches.
+Block hashes are canonical uint64 ints (engine external form). Nothing here carries token
+ids, salts or adapter paths: these Structs may be written to attribution-record files.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Label(str, enum.Enum):
+    """The nine answers. `unknown_*` are first-class: counted and budgeted like the rest."""
+
+    HIT = "hit"
+    LOOKUP_LIMIT = "lookup_limit"
+    TRANSFER_FAILURE = "transfer_failure"
+    ROUTING_MISS = "routing_miss"
+    RESIDENT_MISS = "resident_miss"
+    EVICTED = "evicted"
+    NO_MATCH = "no_match"
+    UNKNOWN_HISTORY = "unknown_history"
+    UNKNOWN_EPOCH = "unknown_epoch"
+
+
+class Owner(str, enum.Enum):
+    NONE = "none"
+    APPLICATION = "application"
+    PLATFORM = "platform"
+    ROUTING = "routing"
+    TELEMETRY = "telemetry"
+
+
+LABEL_OWNER: dict[Label, Owner] = {
+    Label.HIT: Owner.NONE,
+    Label.LOOKUP_LIMIT: Owner.NONE,
+    Label.TRANSFER_FAILURE: Owner.PLATFORM,
+    Label.ROUTING_MISS: Owner.ROUTING,
+    Label.RESIDENT_MISS: Owner.PLATFORM,
+    Label.EVICTED: Owner.PLATFORM,
+    Label.NO_MATCH: Owner.APPLICATION,
+    Label.UNKNOWN_HISTORY: Owner.TELEMETRY,
+    Label.UNKNOWN_EPOCH: Owner.TELEMETRY,
+}
+
+
+class History(str, enum.Enum):
+    """How good the chosen worker's history is for the claim the verdict needs."""
+
+    CONTINUOUS = "continuous"
+    GAP = "gap"  # a hole replay could not fill lies inside the needed interval
+    LAGGING = "lagging"  # applied history had not reached the lookup time when the wait ended
+    AGED_OUT = "aged_out"  # a record the claim needs was dropped by retention
+    EPOCH_UNKNOWN = "epoch_unknown"  # which process lifetime served the request is not established
+    UNTRACKED = "untracked"  # the chosen worker is not one we subscribe to (or none was named)
+    QUARANTINED = "quarantined"  # the worker's stream is quarantined at the lookup time
+
+
+class Presence(str, enum.Enum):
+    """Where the first-miss block H stood on the chosen worker's GPU at the lookup time."""
+
+    RESIDENT = "resident"  # stored before t, not removed or cleared before t
+    EVICTED = "evicted"  # stored earlier in this epoch, removed or cleared before t
+    ABSENT = "absent"  # never stored in the covered window
+    UNKNOWN = "unknown"  # history does not allow a claim (see History)
+
+
+class WindowStart(str, enum.Enum):
+    """What the covered window of a `no_match` starts from."""
+
+    EPOCH_START = "epoch_start"  # seq 0 of this epoch, nothing missed since
+    CLEAR = "clear"  # an observed AllBlocksCleared, continuous since
+    HORIZON = "horizon"  # the retention horizon: this is only "no recent match"
+
+
+class TransferResult(str, enum.Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    STALE = "stale"
+
+
+class TransferAttempt(msgspec.Struct, frozen=True):
+    """A connector or router's attempt to bring blocks in from a remote worker or a tier."""
+
+    result: TransferResult
+    source: str | None = None  # worker id or tier name (low cardinality)
+
+
+class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the spans (or a request record) say about one request's cache lookup."""
+
+    request_id: str | None = None
+    prompt_tokens: int  # N
+    cached_tokens: int  # C, as the engine reported
+    block_size: int  # B
+    worker: str | None = None  # chosen worker id (collector's id); None when not routed/known
+    dp_rank: int | None = None
+    lookup_time: float | None = None  # engine-clock seconds of the first cache probe
+    block_hashes: list[int] | None = None  # the request's full-block chain, canonical uint64
+    extra_key_kinds: tuple[str, ...] = ()  # lora, cache_salt, mm, prompt_embeds
+    transfers: tuple[TransferAttempt, ...] = ()
+    instance_hint: str | None = None  # e.g. resource service.instance.id
+    route_policy: str | None = None
+    predicted_cached_tokens: int | None = None
+
+
+class TierHolding(msgspec.Struct, frozen=True):
+    """H held on an offload tier of the chosen worker at t, with continuous history."""
+
+    medium: str  # canonical medium: CPU, STORAGE, EXTERNAL
+    stored_ts: float
+
+
+class Holder(msgspec.Struct, frozen=True):
+    """Another tracked worker that held H at t, its history continuous over [stored, t]."""
+
+    worker: str
+    medium: str
+    stored_ts: float
+
+
+class Evidence(msgspec.Struct, frozen=True, kw_only=True):
+    """What the residency index proves about H = h[C // B] at the lookup time t.
+
+    Built by `enricher.evidence` from the index; judged here by `enricher.verdict`.
+    ``history`` already accounts for which interval the reported `presence` needs: a
+    store-then-removal needs continuity only from the store, an `ABSENT` needs it from
+    ``window_start`` — so `presence` is only meaningful when ``history`` is CONTINUOUS.
+    """
+
+    history: History
+    presence: Presence = Presence.UNKNOWN
+    epoch: int | None = None
+    # The store and removal of H behind RESIDENT / EVICTED.
+    stored_seq: int | None = None
+    stored_ts: float | None = None
+    removed_seq: int | None = None
+    removed_ts: float | None = None
+    removed_by_clear: bool = False
+    # The covered window behind ABSENT.
+    window_start: WindowStart | None = None
+    window_start_ts: float | None = None
+    # Where history broke, when it did (for unknown_* and attributes).
+    gap_from_seq: int | None = None
+    gap_to_seq: int | None = None
+    applied_through_ts: float | None = None
+    # Fleet view at t.
+    tiers: tuple[TierHolding, ...] = ()
+    holders: tuple[Holder, ...] = ()
+
+
+class DivergenceKind(str, enum.Enum):
+    TOKENS = "tokens"  # a sibling under the same parent differs in tokens
+    EXTRA_KEYS = "extra_keys"  # same tokens, different extra keys
+    UNKNOWN = "unknown"  # no sibling known, or not comparable
+
+
+class Divergence(msgspec.Struct, frozen=True):
+    """Where a `no_match` request left a chain the worker had: indices and kinds only."""
+
+    kind: DivergenceKind
+    first_token_index: int | None = None  # within the prompt
+    differing_kinds: tuple[str, ...] = ()
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The attribution of one request. Safe to export: indices, kinds, keyed digests only."""
+
+    label: Label
+    owner: Owner
+    reason: str
+    history: History | None = None
+    first_miss_block: int | None = None
+    first_miss_token: int | None = None
+    first_miss_digest: str | None = None
+    extra_key_kinds: tuple[str, ...] = ()
+    missed_tokens: int = 0
+    eviction_age_ms: int | None = None
+    holders: int = 0
+    epoch: int | None = None
+    stored_seq: int | None = None
+    removed_seq: int | None = None
+    window_start: WindowStart | None = None
+    window_start_ts: float | None = None
+    gap_from_seq: int | None = None
+    gap_to_seq: int | None = None
+    divergence: Divergence | None = None
+
+
+class AttributionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One line of `kvmiss attribute` output: the request's identity and its verdict."""
+
+    request_id: str | None = None
+    trace_id: str | None = None
+    worker: str | None = None
+    lookup_time: float | None = None
+    prompt_tokens: int
+    cached_tokens: int
+    verdict: Verdict

@@ -1,0 +1,255 @@
+"""KV-cache event types: the engines' wire forms and the one normalised model.
+
+Every engine encoding we accept decodes into the three Structs below (`BlockStored`,
+`BlockRemoved`, `AllBlocksCleared`) inside an `EventBatch`; nothing downstream sees a
+wire variant.
+
+Wire variants handled here (see shared/reference/WIRE.md):
+  * vLLM >= 0.24 and SGLang 0.5.23: events are tagged msgpack maps ``{"type": ...}``;
+    fields that are None are omitted. These maps decode straight into the normalised
+    Structs (fast path).
+  * vLLM < 0.24: events are positional arrays ``["BlockStored", ...]``, fields appended
+    release by release. Decoded by the ``_Array*`` Structs, then converted (slow path).
+  * Batches are ``[ts, events, dp_rank]``; a 2-element batch is accepted too.
+  * Hashes arrive as uint64 (vLLM default), signed int64 (SGLang, may be negative) or raw
+    digest bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). All are canonicalised to the
+    engine's external form, an unsigned 64-bit int (the digest's last 8 bytes, big-endian);
+    raw digests are kept in ``block_digests`` when the wire had them.
+
+Unknown extra fields are ignored, missing optional ones defaulted. A payload that cannot
+be decoded raises `WireError` whose message says what and where (a msgspec path such as
+``$[1][0].block_size``) and never quotes token ids or salts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+MASK64 = (1 << 64) - 1
+
+# An empty msgpack array: the default for `token_ids` when a publisher omits it.
+_EMPTY_TOKENS = msgspec.Raw(b"\x90")
+
+_token_decoder = msgspec.msgpack.Decoder(list[int])
+
+
+class WireError(ValueError):
+    """A KV-event payload or frame that cannot be decoded; the message names the field."""
+
+
+def canonical_hash(value: int | bytes) -> int:
+    """Engine external form of one block hash: uint64 of the digest's last 8 bytes.
+
+    Signed int64 (SGLang) maps to its two's-complement uint64; raw digests keep only their
+    last 8 bytes, exactly as vLLM's ``maybe_convert_block_hash`` does.
+    """
+    if value.__class__ is int:
+        return value & MASK64
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(value)[-8:], "big")
+    raise WireError(f"block hash must be int or bytes, got {type(value).__name__}")
+
+
+def _needs_canonicalising(hashes: list) -> bool:
+    # min() runs in C; it fails on bytes, or on a mix of bytes and ints, which also need work.
+    try:
+        return bool(hashes) and min(hashes) < 0
+    except TypeError:
+        return True
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    """Blocks entered the prefix cache of one medium.
+
+    After construction or decoding, ``block_hashes`` and ``parent_block_hash`` hold only
+    canonical uint64 ints. ``token_ids`` stays undecoded msgpack (most consumers never need
+    the values); call `tokens()` to get them.
+    """
+
+    block_hashes: list[Union[int, bytes]]
+    parent_block_hash: Union[int, bytes, None] = None
+    token_ids: msgspec.Raw = _EMPTY_TOKENS
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+    lookahead_token_ids: list[int] | None = None
+    # Not on the wire: the raw digests when the publisher sent bytes instead of ints.
+    block_digests: list[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        hashes = self.block_hashes
+        if _needs_canonicalising(hashes):
+            if any(not isinstance(h, int) for h in hashes):
+                self.block_digests = [bytes(h) for h in hashes if not isinstance(h, int)]
+            self.block_hashes = [canonical_hash(h) for h in hashes]
+        parent = self.parent_block_hash
+        if parent is not None and (parent.__class__ is not int or parent < 0):
+            self.parent_block_hash = canonical_hash(parent)
+
+    def tokens(self) -> list[int]:
+        """The concatenated token ids of these blocks (decoded on demand)."""
+        try:
+            return _token_decoder.decode(self.token_ids)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise WireError(f"BlockStored.token_ids: {exc}") from None
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    """Blocks left the prefix cache of one medium (vLLM emits one event per hash)."""
+
+    block_hashes: list[Union[int, bytes]]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    block_digests: list[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        hashes = self.block_hashes
+        if _needs_canonicalising(hashes):
+            if any(not isinstance(h, int) for h in hashes):
+                self.block_digests = [bytes(h) for h in hashes if not isinstance(h, int)]
+            self.block_hashes = [canonical_hash(h) for h in hashes]
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    """The engine reset its prefix cache (not tier-scoped)."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    """One published batch: every event of one engine step, stamped with one ``ts``.
+
+    ``ts`` is the publisher's wall clock in seconds at publish time. vLLM names the third
+    element ``data_parallel_rank``, SGLang ``attn_dp_rank``; both land in ``dp_rank``.
+    """
+
+    ts: float
+    events: list[KVEvent]
+    dp_rank: int | None = None
+
+
+# --- vLLM < 0.24: positional arrays. Fields only ever appended, so trailing ones default.
+
+
+class _ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[Union[int, bytes]]
+    parent_block_hash: Union[int, bytes, None] = None
+    token_ids: msgspec.Raw = _EMPTY_TOKENS
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None  # 0.11+
+    lora_name: str | None = None  # 0.14+
+    extra_keys: list[Any] | None = None  # 0.20+
+    group_idx: int | None = None  # 0.20+
+    kv_cache_spec_kind: str | None = None  # 0.22+
+    kv_cache_spec_sliding_window: int | None = None  # 0.22+
+
+
+class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[Union[int, bytes]]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+_ArrayEvent = Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    dp_rank: int | None = None
+
+
+_batch_decoder = msgspec.msgpack.Decoder(EventBatch)
+_raw_batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_map_event_decoder = msgspec.msgpack.Decoder(KVEvent)
+_array_event_decoder = msgspec.msgpack.Decoder(_ArrayEvent)
+
+
+def _from_array(event: _ArrayEvent) -> KVEvent:
+    if isinstance(event, _ArrayBlockStored):
+        return BlockStored(**msgspec.structs.asdict(event))
+    if isinstance(event, _ArrayBlockRemoved):
+        return BlockRemoved(**msgspec.structs.asdict(event))
+    return AllBlocksCleared()
+
+
+def _is_msgpack_array(raw: bytes) -> bool:
+    first = raw[0] if raw else 0
+    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one msgpack batch payload of any supported engine version.
+
+    Raises `WireError` naming the failing field (``event 2: Expected `int`, got `str` -
+    at `$.block_size```) when the payload is not a valid batch.
+    """
+    try:
+        return _batch_decoder.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass  # older array events, a mixed batch, or genuinely bad: find out which below
+    try:
+        raw = _raw_batch_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"payload is not msgpack: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise WireError(f"batch must be [ts, events, dp_rank]: {exc}") from None
+    events: list[KVEvent] = []
+    for index, raw_event in enumerate(raw.events):
+        try:
+            if _is_msgpack_array(raw_event):
+                events.append(_from_array(_array_event_decoder.decode(raw_event)))
+            else:
+                events.append(_map_event_decoder.decode(raw_event))
+        except (msgspec.ValidationError, msgspec.DecodeError, WireError) as exc:
+            raise WireError(f"event {index}: {exc}") from None
+    return EventBatch(ts=raw.ts, events=events, dp_rank=raw.dp_rank)
+
+
+def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str, Any]:
+    """A JSON-ready dict of one normalised event.
+
+    Token ids and cache salts are prompt material: by default only their presence and size
+    are shown (``num_tokens``, ``has_cache_salt``); ``include_raw=True`` adds the values.
+    """
+    out: dict[str, Any] = msgspec.to_builtins(event, enc_hook=_enc_hook)
+    if isinstance(event, BlockStored):
+        tokens = event.tokens()
+        out["num_tokens"] = len(tokens)
+        out["token_ids"] = tokens if include_raw else None
+        if event.cache_salt is not None:
+            out["has_cache_salt"] = True
+            if not include_raw:
+                out["cache_salt"] = None
+        if event.extra_keys is not None and not include_raw:
+            out["extra_keys"] = None
+            out["has_extra_keys"] = True
+        out = {k: v for k, v in out.items() if v is not None}
+    if "block_digests" in out:
+        out["block_digests"] = [d.hex() for d in event.block_digests]  # type: ignore[union-attr]
+    return out
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, msgspec.Raw):
+        return None  # token_ids are rendered by event_to_builtins itself
+    raise NotImplementedError(type(obj))
