@@ -192,8 +192,9 @@ def _from_array(event: _ArrayEvent) -> KVEvent:
     return AllBlocksCleared()
 
 
-def _is_msgpack_array(raw: bytes) -> bool:
-    first = raw[0] if raw else 0
+def _is_msgpack_array(raw: msgspec.Raw) -> bool:
+    view = memoryview(raw)
+    first = view[0] if len(view) else 0
     return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
 
 
@@ -209,10 +210,10 @@ def decode_batch(payload: bytes) -> EventBatch:
         pass  # older array events, a mixed batch, or genuinely bad: find out which below
     try:
         raw = _raw_batch_decoder.decode(payload)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
+        raise WireError(f"batch must be [ts, events, dp_rank]: {exc}") from None
     except msgspec.DecodeError as exc:
         raise WireError(f"payload is not msgpack: {exc}") from None
-    except msgspec.ValidationError as exc:
-        raise WireError(f"batch must be [ts, events, dp_rank]: {exc}") from None
     events: list[KVEvent] = []
     for index, raw_event in enumerate(raw.events):
         try:
