@@ -1,0 +1,187 @@
+"""Evidence: what the residency index can *prove* about a request's first-miss block.
+
+`gather(index, facts)` judges H = h[C // B] on the chosen worker at the lookup time t and
+returns an `Evidence` (schemas/attribution.py) for the pure `enricher.verdict.attribute`.
+
+Timing rule (shared/reference/WIRE.md, "Timing inside one engine step"): every event of an
+engine step is stamped with the step's publish time, after the lookups made during it. The
+step containing a lookup at t is the first applied batch stamped at or after t. For the
+chosen worker's H:
+  * a store in that step happened *after* the lookup (had H been resident, it would have
+    been hit) — so only stores in earlier steps count;
+  * a removal in that step happened *before* the lookup (a resident H would have been hit
+    and pinned, not evicted) — so removals up to and including that step count.
+For claims that H was *held* somewhere (another worker, an offload tier), the removal
+must come in a later step than the one containing t: anything else is not proof.
+
+Continuity: a claim stands only if the batches from its starting point (the store of H, or
+a known-empty point for "never stored") through the lookup step are one run. Quarantined
+streams (a run after an unfilled hole with no clear since) and unverified epochs prove
+nothing.
+"""
+
+from __future__ import annotations
+
+from kvmiss.enricher.index import GPU, EpochView, Interval, ResidencyIndex, Run
+from kvmiss.schemas.attribution import (
+    Evidence,
+    History,
+    Holder,
+    Presence,
+    RequestFacts,
+    TierHolding,
+    WindowStart,
+)
+from kvmiss.schemas.stream import RunStart
+
+
+def first_miss_hash(facts: RequestFacts) -> int | None:
+    """h[C // B] when the request carries a long enough chain, else None."""
+    chain = facts.block_hashes
+    if not chain or facts.block_size <= 0:
+        return None
+    i = facts.cached_tokens // facts.block_size
+    return chain[i] if 0 <= i < len(chain) else None
+
+
+def _choose_view(views: list[EpochView], facts: RequestFacts, t: float) -> EpochView | None:
+    """The epoch view that served a lookup at t, or None when that cannot be established."""
+    if facts.instance_hint is not None:
+        matching = [v for v in views if v.instance == facts.instance_hint]
+        if matching:
+            return matching[0]
+        if any(v.instance is not None for v in views):
+            return None  # the request names an instance the index does not hold
+    current = views[0]
+    if current.first_ts is not None and current.first_ts <= t:
+        return current
+    previous = views[1] if len(views) > 1 else None
+    if previous is not None:
+        through = previous.applied_through_ts
+        if through is not None and t <= through:
+            return previous
+        return None  # between two processes: which one served it is not established
+    # No earlier process seen: the lookup precedes this epoch's first batch, which only
+    # belongs to this epoch if the epoch's history starts at its seq 0.
+    if current.runs and current.runs[0].start is RunStart.EPOCH_START:
+        return current
+    return None
+
+
+def _quarantined(view: EpochView, run: Run, step_seq: int) -> bool:
+    return run.start is RunStart.AFTER_GAP and view.last_clear_between(run.start_seq, step_seq + 1) is None
+
+
+def _held_at(view: EpochView, key: int, medium: str, step_seq: int, run: Run) -> Interval | None:
+    """The interval proving ``key`` was resident on ``medium`` throughout the lookup step."""
+    node = view.interval_as_of(key, medium, step_seq)
+    if node is None or node.stored_seq is None or node.stored_seq < run.start_seq:
+        return None
+    if node.removed_seq is not None and node.removed_seq <= step_seq:
+        return None
+    return node
+
+
+def _holders(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[Holder, ...]:
+    found: list[Holder] = []
+    for worker, view in index.current.items():
+        if worker == chosen or not view.epoch_certain:
+            continue
+        step = view.step_at(t)
+        if step is None:
+            continue  # its history has not reached t: no proof either way
+        run = view.run_containing(step[0])
+        if run is None or _quarantined(view, run, step[0]):
+            continue
+        for medium in view.media:
+            node = _held_at(view, key, medium, step[0], run)
+            if node is not None:
+                found.append(Holder(worker, medium, node.stored_ts))  # type: ignore[arg-type]
+                break
+    return tuple(found)
+
+
+def gather(
+    index: ResidencyIndex,
+    facts: RequestFacts,
+    *,
+    aged_out_as_recent_match: bool = False,
+) -> Evidence:
+    """Judge the request's first-miss block against the index at its lookup time.
+
+    ``aged_out_as_recent_match``: when a dropped record might have been H's, answer
+    "no recent match" over the retained window instead of "aged out" (opt-in: it is true
+    that H was not resident in the window, but it cannot tell evicted from never stored).
+    """
+    worker, t = facts.worker, facts.lookup_time
+    if worker is None or worker not in index.tracked:
+        return Evidence(history=History.UNTRACKED)
+    views = index.views(worker)
+    if not views:
+        return Evidence(history=History.LAGGING)  # tracked, but nothing applied yet
+    if t is None:
+        return Evidence(history=History.LAGGING, epoch=views[0].epoch)
+    view = _choose_view(views, facts, t)
+    if view is None or not view.epoch_certain:
+        return Evidence(history=History.EPOCH_UNKNOWN)
+    base = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts)
+    if view.horizon_ts is not None and t < view.horizon_ts:
+        return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)
+    step = view.step_at(t)
+    if step is None:
+        return Evidence(history=History.LAGGING, **base)
+    step_seq = step[0]
+    run = view.run_containing(step_seq)
+    assert run is not None, "every applied batch belongs to a run"
+    key = first_miss_hash(facts)
+    holders = _holders(index, worker, key, t) if key is not None else ()
+    tiers = tuple(
+        TierHolding(medium, node.stored_ts)  # type: ignore[arg-type]
+        for medium in view.media
+        if medium != GPU and key is not None
+        and (node := _held_at(view, key, medium, step_seq, run)) is not None
+    )
+    base.update(holders=holders, tiers=tiers)
+    if _quarantined(view, run, step_seq):
+        return Evidence(history=History.QUARANTINED, gap_from_seq=run.gap_from_seq,
+                        gap_to_seq=run.gap_to_seq, **base)
+    gap = _gap_of(run)
+    if key is None:
+        return Evidence(history=History.CONTINUOUS, **base)
+    node = view.interval_as_of(key, GPU, step_seq)
+    if node is not None:
+        if node.stored_seq is None or node.stored_seq < run.start_seq:
+            return Evidence(history=History.GAP, **gap, **base)  # store predates the run
+        removed = node.removed_seq is not None and node.removed_seq <= step_seq
+        return Evidence(
+            history=History.CONTINUOUS,
+            presence=Presence.EVICTED if removed else Presence.RESIDENT,
+            stored_seq=node.stored_seq, stored_ts=node.stored_ts,
+            removed_seq=node.removed_seq if removed else None,
+            removed_ts=node.removed_ts if removed else None,
+            removed_by_clear=removed and node.removed_by_clear,
+            **base,
+        )
+    if key in view.pruned:
+        if not aged_out_as_recent_match:
+            return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)
+        return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT,
+                        window_start=WindowStart.HORIZON, window_start_ts=view.horizon_ts, **base)
+    clear = view.last_clear_between(run.start_seq, step_seq + 1)
+    if clear is not None:
+        return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT,
+                        window_start=WindowStart.CLEAR, window_start_ts=clear[1], **base)
+    if run.start is RunStart.EPOCH_START:
+        return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT,
+                        window_start=WindowStart.EPOCH_START, window_start_ts=run.start_ts, **base)
+    return Evidence(history=History.GAP, **gap, **base)
+
+
+def _gap_of(run: Run) -> dict:
+    """Where the history behind this run broke: an unfilled hole, or everything before a
+    mid-epoch join (seq 0 .. first seen - 1)."""
+    if run.start is RunStart.AFTER_GAP:
+        return dict(gap_from_seq=run.gap_from_seq, gap_to_seq=run.gap_to_seq)
+    if run.start is RunStart.JOINED:
+        return dict(gap_from_seq=0, gap_to_seq=run.start_seq - 1)
+    return {}

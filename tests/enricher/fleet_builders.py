@@ -1,0 +1,68 @@
+"""Literal builders for applied-batch streams, shared by index, evidence and attribution tests."""
+
+from __future__ import annotations
+
+from kvmiss.schemas.attribution import RequestFacts
+from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmiss.schemas.stream import AppliedBatch, RunStart
+
+H = 0xF00D_0000_0000_0001  # the first-miss block of the requests below
+PARENT = 0xF00D_0000_0000_0000
+
+
+def stored(*hashes: int, medium: str | None = None, parent: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, block_size=16,
+                       medium=medium)
+
+
+def removed(*hashes: int, medium: str | None = None) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), medium=medium)
+
+
+def cleared() -> AllBlocksCleared:
+    return AllBlocksCleared()
+
+
+class WorkerFeed:
+    """Produces the collector's output for one worker: seq n stamped at ts = n seconds
+    (plus an offset), in runs the test declares."""
+
+    def __init__(self, worker: str, epoch: int = 0, *, ts0: float = 1000.0, instance=None):
+        self.worker, self.epoch, self.ts0, self.instance = worker, epoch, ts0, instance
+        self.run_start_seq: int | None = None
+        self.run_start = RunStart.EPOCH_START
+        self.gap: tuple[int | None, int | None] = (None, None)
+        self.epoch_certain = True
+
+    def ts(self, seq: int) -> float:
+        return self.ts0 + seq
+
+    def start_run(self, seq: int, kind: RunStart, gap: tuple[int, int] | None = None) -> None:
+        self.run_start_seq, self.run_start = seq, kind
+        self.gap = gap or (None, None)
+
+    def batch(self, seq: int, *events) -> AppliedBatch:
+        if self.run_start_seq is None:
+            self.start_run(seq, RunStart.EPOCH_START if seq == 0 else RunStart.JOINED)
+        return AppliedBatch(
+            worker=self.worker, epoch=self.epoch, seq=seq, ts=self.ts(seq), recv_ts=self.ts(seq),
+            events=list(events), run_start_seq=self.run_start_seq, run_start=self.run_start,
+            gap_from_seq=self.gap[0], gap_to_seq=self.gap[1], instance=self.instance,
+            epoch_certain=self.epoch_certain,
+        )
+
+    def batches(self, seqs, events_by_seq: dict | None = None) -> list[AppliedBatch]:
+        events_by_seq = events_by_seq or {}
+        return [self.batch(s, *events_by_seq.get(s, ())) for s in seqs]
+
+
+def request(worker: str | None, lookup_time: float | None, *, cached_blocks: int = 1,
+            blocks: int = 4, block_size: int = 16, first_miss: int = H, **extra) -> RequestFacts:
+    """A request whose chain is [PARENT, first_miss, ...] with `cached_blocks` cached."""
+    chain = [PARENT + i for i in range(blocks)]
+    chain[cached_blocks] = first_miss
+    return RequestFacts(
+        prompt_tokens=blocks * block_size + 1, cached_tokens=cached_blocks * block_size,
+        block_size=block_size, worker=worker, lookup_time=lookup_time, block_hashes=chain,
+        **extra,
+    )

@@ -1,0 +1,228 @@
+"""What the residency index proves at a lookup time: ATTRIBUTION.md's worked cases at the
+evidence level, plus the timing, reference-counting, retention and fleet rules."""
+
+from __future__ import annotations
+
+from fleet_builders import PARENT, H, WorkerFeed, cleared, removed, request, stored
+
+from kvmiss.enricher.evidence import gather
+from kvmiss.enricher.index import ResidencyIndex, canonical_medium
+from kvmiss.schemas.attribution import History, Presence, WindowStart
+from kvmiss.schemas.stream import RunStart
+
+
+def feed(index: ResidencyIndex, batches) -> None:
+    for b in batches:
+        index.apply(b)
+
+
+class TestWorkedCases:
+    def test_stored_at_100_removed_at_148_continuous_through_a_request_at_160_is_evicted(self):
+        index, a = ResidencyIndex(), WorkerFeed("A", epoch=42)
+        a.start_run(90, RunStart.JOINED)
+        feed(index, a.batches(range(90, 162), {100: [stored(H)], 148: [removed(H)]}))
+        ev = gather(index, request("A", a.ts(160) - 0.5))
+        assert ev.history is History.CONTINUOUS and ev.presence is Presence.EVICTED
+        assert (ev.stored_seq, ev.removed_seq, ev.epoch) == (100, 148, 42)
+        assert ev.removed_ts == a.ts(148) and not ev.removed_by_clear
+
+    def test_a_hole_replay_could_not_fill_makes_an_absent_block_unprovable(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 201)))
+        a.start_run(205, RunStart.AFTER_GAP, gap=(201, 204))
+        feed(index, a.batches(range(205, 210)))
+        ev = gather(index, request("A", a.ts(208) - 0.5))
+        assert ev.history is History.QUARANTINED
+        assert (ev.gap_from_seq, ev.gap_to_seq) == (201, 204)
+
+    def test_a_removal_recovered_through_replay_still_proves_the_eviction(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 162), {100: [stored(H)], 148: [removed(H)]}))
+        ev = gather(index, request("A", a.ts(160) - 0.5))
+        assert ev.presence is Presence.EVICTED and ev.history is History.CONTINUOUS
+
+    def test_an_unrecovered_removal_leaves_the_block_unprovable(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 148), {100: [stored(H)]}))
+        a.start_run(149, RunStart.AFTER_GAP, gap=(148, 148))
+        feed(index, a.batches(range(149, 162)))
+        assert gather(index, request("A", a.ts(160) - 0.5)).history is History.QUARANTINED
+
+    def test_a_restart_drops_the_old_epochs_residency(self):
+        index, old = ResidencyIndex(), WorkerFeed("A", epoch=0)
+        feed(index, old.batches(range(0, 50), {10: [stored(H)]}))
+        new = WorkerFeed("A", epoch=1, ts0=old.ts(49) + 5)
+        feed(index, new.batches(range(0, 10)))
+        ev = gather(index, request("A", new.ts(8) - 0.5))
+        assert ev.presence is Presence.ABSENT and ev.epoch == 1
+        assert ev.window_start is WindowStart.EPOCH_START and ev.window_start_ts == new.ts(0)
+        # A request that looked up in the old lifetime is still judged on the old view.
+        assert gather(index, request("A", old.ts(30) - 0.5)).presence is Presence.RESIDENT
+
+    def test_a_lookup_between_two_lifetimes_is_epoch_unknown(self):
+        index, old = ResidencyIndex(), WorkerFeed("A", epoch=0)
+        feed(index, old.batches(range(0, 5)))
+        new = WorkerFeed("A", epoch=1, ts0=old.ts(4) + 10)
+        feed(index, new.batches(range(0, 3)))
+        assert gather(index, request("A", old.ts(4) + 3)).history is History.EPOCH_UNKNOWN
+
+    def test_a_consumer_outage_longer_than_the_replay_window_quarantines(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 20)))
+        a.start_run(10_020, RunStart.AFTER_GAP, gap=(20, 10_019))
+        feed(index, a.batches(range(10_020, 10_030)))
+        assert gather(index, request("A", a.ts(10_025))).history is History.QUARANTINED
+
+    def test_a_block_resident_on_another_worker_makes_a_holder(self):
+        index, a, b = ResidencyIndex(), WorkerFeed("A"), WorkerFeed("B")
+        feed(index, a.batches(range(0, 20)))
+        feed(index, b.batches(range(0, 20), {5: [stored(H)]}))
+        ev = gather(index, request("A", a.ts(15) - 0.5))
+        assert [h.worker for h in ev.holders] == ["B"]
+        assert ev.presence is Presence.ABSENT
+
+
+class TestLookupStepTiming:
+    def test_a_store_in_the_lookup_step_happened_after_the_lookup(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 12), {10: [stored(H)]}))
+        ev = gather(index, request("A", a.ts(10) - 0.5))  # the request's own recompute
+        assert ev.presence is Presence.ABSENT
+
+    def test_a_removal_in_the_lookup_step_happened_before_the_lookup(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 12), {3: [stored(H)], 10: [removed(H)]}))
+        ev = gather(index, request("A", a.ts(10) - 0.5))
+        assert ev.presence is Presence.EVICTED and ev.removed_seq == 10
+
+    def test_a_restore_after_the_lookup_does_not_hide_the_earlier_eviction(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 20), {3: [stored(H)], 7: [removed(H)], 12: [stored(H)]}))
+        ev = gather(index, request("A", a.ts(12) - 0.5))
+        assert ev.presence is Presence.EVICTED and (ev.stored_seq, ev.removed_seq) == (3, 7)
+
+    def test_history_that_has_not_reached_the_lookup_is_lagging(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 5)))
+        assert gather(index, request("A", a.ts(4) + 0.1)).history is History.LAGGING
+
+    def test_a_holder_removed_in_the_step_containing_the_lookup_is_not_proof(self):
+        index, a, b = ResidencyIndex(), WorkerFeed("A"), WorkerFeed("B", ts0=1000.25)
+        feed(index, a.batches(range(0, 20)))
+        feed(index, b.batches(range(0, 20), {2: [stored(H)], 10: [removed(H)]}))
+        assert gather(index, request("A", b.ts(10) - 0.5)).holders == ()
+        assert len(gather(index, request("A", b.ts(9) - 0.5)).holders) == 1
+
+
+class TestCopiesAndTiers:
+    def test_one_removal_of_two_copies_leaves_the_block_resident(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 10), {1: [stored(H)], 2: [stored(H)], 3: [removed(H)]}))
+        assert gather(index, request("A", a.ts(8))).presence is Presence.RESIDENT
+
+    def test_tiers_count_copies_separately_from_the_gpu(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 10), {
+            1: [stored(H), stored(H, medium="cpu")],
+            2: [removed(H)],
+        }))
+        ev = gather(index, request("A", a.ts(8)))
+        assert ev.presence is Presence.EVICTED
+        assert [t.medium for t in ev.tiers] == ["CPU"]
+
+    def test_sglang_and_connector_medium_spellings_are_canonical(self):
+        assert [canonical_medium(m) for m in (None, "GPU", "cpu", "CPU_PINNED", "DISK", "STORAGE", "EXTERNAL", "nvme")] == [
+            "GPU", "GPU", "CPU", "CPU", "STORAGE", "STORAGE", "EXTERNAL", "NVME"]
+
+    def test_a_removal_of_a_block_stored_before_our_history_is_not_a_provable_store(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        a.start_run(50, RunStart.JOINED)
+        feed(index, a.batches(range(50, 60), {52: [removed(H)]}))
+        ev = gather(index, request("A", a.ts(58)))
+        assert ev.history is History.GAP and (ev.gap_from_seq, ev.gap_to_seq) == (0, 49)
+
+
+class TestKnownEmptyPoints:
+    def test_an_observed_clear_is_a_known_empty_point_and_ends_quarantine(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        a.start_run(100, RunStart.AFTER_GAP, gap=(0, 99))
+        feed(index, a.batches(range(100, 120), {105: [cleared()]}))
+        ev = gather(index, request("A", a.ts(115)))
+        assert ev.history is History.CONTINUOUS and ev.presence is Presence.ABSENT
+        assert ev.window_start is WindowStart.CLEAR and ev.window_start_ts == a.ts(105)
+
+    def test_a_clear_evicts_every_resident_block(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 20), {2: [stored(H, PARENT)], 9: [cleared()]}))
+        ev = gather(index, request("A", a.ts(15)))
+        assert ev.presence is Presence.EVICTED and ev.removed_by_clear and ev.removed_seq == 9
+
+    def test_a_mid_epoch_join_without_a_clear_cannot_prove_absence(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        a.start_run(500, RunStart.JOINED)
+        feed(index, a.batches(range(500, 520)))
+        ev = gather(index, request("A", a.ts(510)))
+        assert ev.history is History.GAP and ev.gap_to_seq == 499
+
+    def test_an_unverified_epoch_proves_nothing(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        a.epoch_certain = False
+        feed(index, a.batches(range(0, 10), {2: [stored(H)]}))
+        assert gather(index, request("A", a.ts(5))).history is History.EPOCH_UNKNOWN
+
+
+class TestRetention:
+    def test_a_dropped_eviction_record_answers_aged_out_not_absent(self):
+        index, a = ResidencyIndex(retention_s=50), WorkerFeed("A")
+        feed(index, a.batches(range(0, 200), {3: [stored(H)], 7: [removed(H)]}))
+        assert index.prune(now_ts=a.ts(199)) >= 1
+        ev = gather(index, request("A", a.ts(190)))
+        assert ev.history is History.AGED_OUT and ev.window_start_ts == a.ts(149)
+
+    def test_opting_in_turns_aged_out_into_no_recent_match_with_the_window(self):
+        index, a = ResidencyIndex(retention_s=50), WorkerFeed("A")
+        feed(index, a.batches(range(0, 200), {3: [stored(H)], 7: [removed(H)]}))
+        index.prune(now_ts=a.ts(199))
+        ev = gather(index, request("A", a.ts(190)), aged_out_as_recent_match=True)
+        assert ev.presence is Presence.ABSENT and ev.window_start is WindowStart.HORIZON
+
+    def test_blocks_never_stored_stay_provably_absent_after_pruning(self):
+        index, a = ResidencyIndex(retention_s=50), WorkerFeed("A")
+        feed(index, a.batches(range(0, 200), {3: [stored(PARENT)], 7: [removed(PARENT)]}))
+        index.prune(now_ts=a.ts(199))
+        ev = gather(index, request("A", a.ts(190)))
+        assert ev.presence is Presence.ABSENT and ev.window_start is WindowStart.EPOCH_START
+
+    def test_a_lookup_older_than_the_horizon_is_aged_out(self):
+        index, a = ResidencyIndex(retention_s=50), WorkerFeed("A")
+        feed(index, a.batches(range(0, 200)))
+        index.prune(now_ts=a.ts(199))
+        assert gather(index, request("A", a.ts(20))).history is History.AGED_OUT
+
+    def test_resident_blocks_survive_pruning(self):
+        index, a = ResidencyIndex(retention_s=50), WorkerFeed("A")
+        feed(index, a.batches(range(0, 200), {3: [stored(H)]}))
+        index.prune(now_ts=a.ts(199))
+        assert gather(index, request("A", a.ts(190))).presence is Presence.RESIDENT
+
+
+class TestWorkersAndEpochs:
+    def test_an_untracked_or_missing_worker(self):
+        index = ResidencyIndex(["A"])
+        assert gather(index, request("Z", 1.0)).history is History.UNTRACKED
+        assert gather(index, request(None, 1.0)).history is History.UNTRACKED
+        assert gather(index, request("A", 1.0)).history is History.LAGGING
+
+    def test_an_instance_hint_selects_the_lifetime_and_an_unknown_one_is_epoch_unknown(self):
+        index = ResidencyIndex()
+        old, new = WorkerFeed("A", 0, instance="pod-1"), WorkerFeed("A", 1, ts0=2000, instance="pod-2")
+        feed(index, old.batches(range(0, 10), {2: [stored(H)]}))
+        feed(index, new.batches(range(0, 10)))
+        assert gather(index, request("A", old.ts(5), instance_hint="pod-1")).presence is Presence.RESIDENT
+        assert gather(index, request("A", old.ts(5), instance_hint="pod-9")).history is History.EPOCH_UNKNOWN
+
+    def test_a_lookup_just_before_a_fresh_epochs_first_batch_belongs_to_it(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 3), {0: [stored(H)]}))
+        ev = gather(index, request("A", a.ts(0) - 0.01))
+        assert ev.presence is Presence.ABSENT and ev.window_start is WindowStart.EPOCH_START
