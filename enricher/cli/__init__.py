@@ -11,6 +11,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
     "decode": ("decode_cmd", "decode captured KV-event frames (JSON lines in/out)"),
+    "replay-size": ("replay_size_cmd", "minimum replay window (batches) for a peak rate and outage"),
 }
 
 
