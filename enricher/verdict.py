@@ -1,0 +1,299 @@
+"""The attribution core: request facts + index evidence -> one label, one owner, one reason.
+
+``attribute`` follows the precedence list of shared/spec/ATTRIBUTION.md top to bottom; the
+first rule that holds wins:
+
+    hit / lookup_limit -> transfer_failure -> routing_miss
+      -> (chosen worker's history insufficient: unknown_epoch / unknown_history)
+      -> resident_miss -> evicted -> no_match
+
+It is pure (no index, socket, clock or logging) and never raises on bad input: facts that
+cannot be judged are an ``unknown_history`` verdict, because a wrong cause is worse than an
+honest unknown. It trusts ``Evidence`` to be built as documented there (holders and tiers
+listed only with continuous history; ``presence`` meaningful only when ``history`` is
+CONTINUOUS); it does not re-derive what the index proved.
+
+Facts beyond the label (holders, epoch, gap range, store/removal seqs, eviction age, window)
+are copied onto every miss verdict, whichever label wins. Reasons are short fixed sentences
+with counts, sequence numbers and durations only: never hashes, token ids, salts or paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvmiss.schemas.attribution import (
+    LABEL_OWNER,
+    Evidence,
+    History,
+    Label,
+    Presence,
+    RequestFacts,
+    TransferResult,
+    Verdict,
+    WindowStart,
+)
+
+REASON_MAX_CHARS = 200
+
+# Names that may appear in a reason. Anything else a span supplies (a worker id, a tier
+# name, an unknown extra-key kind) stays out of the reason: it could be an address or a path.
+_TIER_MEDIA = frozenset({"CPU", "STORAGE", "EXTERNAL"})
+_EXTRA_KEY_KINDS = ("cache_salt", "lora", "mm", "prompt_embeds")
+_FAILED_TRANSFER = {
+    TransferResult.FAILED: "failed",
+    TransferResult.TIMEOUT: "timed out",
+    TransferResult.STALE: "hit stale ownership",
+}
+
+
+def lookup_limit_tokens(prompt_tokens: int, block_size: int) -> int:
+    """L: the most tokens the engine can ever serve from cache (it recomputes the last one)."""
+    if prompt_tokens <= 0:
+        return 0
+    return (prompt_tokens - 1) // block_size * block_size
+
+
+def attribute(
+    facts: RequestFacts,
+    evidence: Evidence | None,
+    *,
+    digest: Callable[[int], str] | None = None,
+) -> Verdict:
+    """Judge one request. ``evidence`` is about H = block_hashes[C // B] at the lookup time;
+    None means the index has nothing for the chosen worker. ``digest`` maps H to its keyed
+    digest (``DigestKey.digest_block``); without it no digest is reported."""
+    invalid = _invalid_facts(facts)
+    if invalid:
+        history = evidence.history if evidence is not None else None
+        return _verdict(Label.UNKNOWN_HISTORY, f"invalid request facts: {invalid}", history=history)
+
+    n, b, c = facts.prompt_tokens, facts.block_size, facts.cached_tokens
+    limit = lookup_limit_tokens(n, b)
+
+    # hit / lookup_limit: nothing reusable was missed. C > L (possible only with an engine
+    # that also serves the last token) missed nothing either, so it is a hit.
+    if c >= limit:
+        if c == limit and n >= b and n % b == 0:
+            return _verdict(
+                Label.LOOKUP_LIMIT,
+                "only the last full block was recomputed: the engine never serves the block "
+                "holding the final prompt token from cache",
+            )
+        if c > limit:
+            return _verdict(Label.HIT, "the engine reused beyond its lookup limit: nothing missed")
+        return _verdict(Label.HIT, "every reusable prompt block was served from the prefix cache")
+
+    block = c // b
+    chain = facts.block_hashes
+    first_miss = chain[block] if chain is not None and block < len(chain) else None
+    known: dict[str, Any] = {
+        "first_miss_block": block,
+        "first_miss_token": block * b,
+        "missed_tokens": limit - c,
+        "extra_key_kinds": facts.extra_key_kinds,
+    }
+    if first_miss is not None and digest is not None:
+        known["first_miss_digest"] = digest(first_miss)
+    if evidence is not None:
+        known.update(_evidence_facts(evidence, facts.lookup_time))
+
+    # transfer_failure, from the request's own transfer spans: these prove a fault
+    # without the index, so they outrank everything the index could (not) say.
+    for attempt in facts.transfers:
+        if attempt.result in _FAILED_TRANSFER:
+            reason = (
+                f"a transfer from {_source_kind(attempt.source)} "
+                f"{_FAILED_TRANSFER[attempt.result]}, so the engine recomputed the prefix"
+            )
+            return _verdict(Label.TRANSFER_FAILURE, reason, **known)
+
+    # Every later rule is a claim about H; without it the index evidence has no subject.
+    if first_miss is None:
+        reason = (
+            "the request carried no block chain, so the first missed block cannot be identified"
+            if not chain
+            else "the request's block chain ends before the first missed block"
+        )
+        return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
+    if evidence is None:
+        reason = _untracked_reason(facts)
+        return _verdict(Label.UNKNOWN_HISTORY, reason, history=History.UNTRACKED, **known)
+
+    # transfer_failure, from tier residency on the chosen worker.
+    if evidence.tiers:
+        tier = _tier_kind(evidence.tiers[0].medium)
+        reason = f"the first missed block was on the chosen worker's {tier} at lookup, not loaded"
+        return _verdict(Label.TRANSFER_FAILURE, reason, **known)
+
+    # routing_miss: other workers' continuity was checked by the evidence builder, so
+    # this holds even when the chosen worker's own history is broken.
+    if evidence.holders:
+        count = len(evidence.holders)
+        reason = (
+            f"{count} other tracked worker{'s' if count > 1 else ''} held the first missed block "
+            "at lookup, but the request was routed elsewhere"
+        )
+        return _verdict(Label.ROUTING_MISS, reason, **known)
+
+    # The chosen worker's history must support a claim before presence means anything.
+    if evidence.history is History.EPOCH_UNKNOWN:
+        return _verdict(
+            Label.UNKNOWN_EPOCH,
+            "which process lifetime of the chosen worker served the request is not established "
+            "(unresolved restart or reconnect, or an instance the index does not hold)",
+            **known,
+        )
+    if evidence.history is not History.CONTINUOUS:
+        reason = _insufficient_history_reason(facts, evidence)
+        return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
+
+    # resident_miss / evicted / no_match: with continuous history, where H stood on the
+    # chosen worker at the lookup time decides.
+    if evidence.presence is Presence.RESIDENT:
+        return _verdict(
+            Label.RESIDENT_MISS,
+            "the index shows the first missed block resident on the chosen worker at lookup, "
+            "yet the engine did not reuse it",
+            **known,
+        )
+    if evidence.presence is Presence.EVICTED:
+        reason = _evicted_reason(evidence, known.get("eviction_age_ms"))
+        return _verdict(Label.EVICTED, reason, **known)
+    if evidence.presence is Presence.ABSENT:
+        return _verdict(Label.NO_MATCH, _no_match_reason(facts, evidence), **known)
+    return _verdict(
+        Label.UNKNOWN_HISTORY,
+        "the index cannot place the first missed block on the chosen worker at lookup, "
+        "although its history is continuous",
+        **known,
+    )
+
+
+def _verdict(label: Label, reason: str, **fields: Any) -> Verdict:
+    """The only constructor: owner always from LABEL_OWNER, reason always within the bound."""
+    if len(reason) > REASON_MAX_CHARS:
+        reason = reason[: REASON_MAX_CHARS - 1] + "…"
+    return Verdict(label=label, owner=LABEL_OWNER[label], reason=reason, **fields)
+
+
+def _invalid_facts(facts: RequestFacts) -> str | None:
+    """Why the counts cannot be judged, or None. Spans are outside input: never raise on them."""
+    if facts.block_size <= 0:
+        return "block size must be positive"
+    if facts.prompt_tokens < 0 or facts.cached_tokens < 0:
+        return "token counts must not be negative"
+    if facts.cached_tokens > facts.prompt_tokens:
+        return "cached tokens exceed prompt tokens"
+    return None
+
+
+def _evidence_facts(evidence: Evidence, lookup_time: float | None) -> dict[str, Any]:
+    """Evidence facts reported on every miss verdict, whichever label wins."""
+    known: dict[str, Any] = {
+        "history": evidence.history,
+        "holders": len(evidence.holders),
+        "epoch": evidence.epoch,
+        "stored_seq": evidence.stored_seq,
+        "removed_seq": evidence.removed_seq,
+        "window_start": evidence.window_start,
+        "window_start_ts": evidence.window_start_ts,
+        "gap_from_seq": evidence.gap_from_seq,
+        "gap_to_seq": evidence.gap_to_seq,
+    }
+    # An eviction age is a claim, not a raw observation: only continuous history supports it,
+    # and a removal stamped after the lookup (inconsistent clocks or input) has no age at t.
+    if (
+        evidence.history is History.CONTINUOUS
+        and evidence.presence is Presence.EVICTED
+        and evidence.removed_ts is not None
+        and lookup_time is not None
+        and evidence.removed_ts <= lookup_time
+    ):
+        known["eviction_age_ms"] = round((lookup_time - evidence.removed_ts) * 1000)
+    return known
+
+
+def _source_kind(source: str | None) -> str:
+    if source is not None and source.upper() in _TIER_MEDIA:
+        return f"the {source.upper()} offload tier"
+    return "a remote source" if source else "an unnamed source"
+
+
+def _tier_kind(medium: str) -> str:
+    return f"{medium.upper()} offload tier" if medium.upper() in _TIER_MEDIA else "offload tier"
+
+
+def _untracked_reason(facts: RequestFacts) -> str:
+    if facts.worker is None:
+        return "untracked: the request names no chosen worker, so no residency history applies"
+    return "untracked: the chosen worker's event stream is not tracked by the index"
+
+
+def _gap_text(evidence: Evidence) -> str:
+    lo, hi = evidence.gap_from_seq, evidence.gap_to_seq
+    if lo is not None and hi is not None:
+        return f" (seq {lo}..{hi})"
+    if lo is not None:
+        return f" (from seq {lo})"
+    return ""
+
+
+def _insufficient_history_reason(facts: RequestFacts, evidence: Evidence) -> str:
+    """One sentence per History value that is neither CONTINUOUS nor EPOCH_UNKNOWN."""
+    t = facts.lookup_time
+    match evidence.history:
+        case History.GAP:
+            return (
+                "gap: a hole in the chosen worker's event stream that replay could not fill"
+                f"{_gap_text(evidence)} lies in the history this verdict needs"
+            )
+        case History.LAGGING:
+            behind = ""
+            if t is not None and evidence.applied_through_ts is not None:
+                behind = f" (applied through {t - evidence.applied_through_ts:.3f} s before it)"
+            return (
+                "lagging: the chosen worker's events had not reached the lookup time when the "
+                f"wait ended{behind}"
+            )
+        case History.AGED_OUT:
+            horizon = ""
+            if t is not None and evidence.window_start_ts is not None:
+                horizon = f"; retention horizon {t - evidence.window_start_ts:.1f} s before lookup"
+            return f"aged out: records this verdict needs were dropped by retention{horizon}"
+        case History.QUARANTINED:
+            return (
+                "quarantined: the chosen worker's stream was quarantined at lookup after a hole "
+                f"replay could not fill{_gap_text(evidence)}"
+            )
+        case _:  # UNTRACKED
+            return _untracked_reason(facts)
+
+
+def _evicted_reason(evidence: Evidence, age_ms: int | None) -> str:
+    how = "cleared with all blocks from" if evidence.removed_by_clear else "removed from"
+    when = f"{age_ms} ms before lookup" if age_ms is not None else "before lookup"
+    return f"the first missed block was {how} the chosen worker's GPU cache {when}"
+
+
+def _no_match_reason(facts: RequestFacts, evidence: Evidence) -> str:
+    match evidence.window_start:
+        case WindowStart.EPOCH_START:
+            reason = "the first missed block was never on the chosen worker since it started"
+        case WindowStart.CLEAR:
+            reason = "the first missed block was never on the chosen worker since a cache clear"
+        case WindowStart.HORIZON:
+            span = ""
+            if facts.lookup_time is not None and evidence.window_start_ts is not None:
+                span = f" (last {facts.lookup_time - evidence.window_start_ts:.0f} s)"
+            reason = (
+                "no recent match: the first missed block was not on the chosen worker "
+                f"within the retention window{span}"
+            )
+        case _:
+            reason = "the first missed block was never on the chosen worker in the covered history"
+    kinds = [kind for kind in _EXTRA_KEY_KINDS if kind in facts.extra_key_kinds]
+    if kinds:
+        reason += f"; extra keys: {', '.join(kinds)}"
+    return reason
