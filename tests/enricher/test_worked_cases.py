@@ -1,0 +1,108 @@
+"""ATTRIBUTION.md's worked cases end to end: applied batches -> index -> evidence -> verdict."""
+
+from __future__ import annotations
+
+from fleet_builders import H, WorkerFeed, removed, request, stored
+
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.privacy import DigestKey
+from kvmiss.schemas.attribution import History, Label, RequestFacts
+from kvmiss.schemas.stream import RunStart
+
+KEY = DigestKey("worked-cases-test-secret")
+
+
+def judge(index, facts):
+    return Attributor(index, KEY).attribute(facts)
+
+
+def test_case_1_stored_100_removed_148_request_at_160_is_evicted():
+    index, a = ResidencyIndex(), WorkerFeed("A", epoch=42)
+    feed = a.batches(range(0, 162), {100: [stored(H)], 148: [removed(H)]})
+    for b in feed:
+        index.apply(b)
+    v = judge(index, request("A", a.ts(160) - 0.5))
+    assert v.label is Label.EVICTED
+    assert (v.stored_seq, v.removed_seq, v.epoch) == (100, 148, 42)
+    assert v.eviction_age_ms == 11_500
+    assert v.first_miss_digest == KEY.digest_block(H)
+
+
+def test_case_2_hole_201_to_204_unfilled_makes_a_miss_at_208_unknown_history():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    for b in a.batches(range(0, 201)):
+        index.apply(b)
+    a.start_run(205, RunStart.AFTER_GAP, gap=(201, 204))
+    for b in a.batches(range(205, 209)):
+        index.apply(b)
+    v = judge(index, request("A", a.ts(208) - 0.5))
+    assert v.label is Label.UNKNOWN_HISTORY
+    assert (v.gap_from_seq, v.gap_to_seq) == (201, 204)
+
+
+def test_case_3_removal_recovered_by_replay_is_evicted_and_unrecovered_is_unknown():
+    recovered, a = ResidencyIndex(), WorkerFeed("A")
+    for b in a.batches(range(0, 162), {100: [stored(H)], 148: [removed(H)]}):
+        recovered.apply(b)
+    assert judge(recovered, request("A", a.ts(160) - 0.5)).label is Label.EVICTED
+
+    lost, a = ResidencyIndex(), WorkerFeed("A")
+    for b in a.batches(range(0, 148), {100: [stored(H)]}):
+        lost.apply(b)
+    a.start_run(149, RunStart.AFTER_GAP, gap=(148, 148))
+    for b in a.batches(range(149, 162)):
+        lost.apply(b)
+    assert judge(lost, request("A", a.ts(160) - 0.5)).label is Label.UNKNOWN_HISTORY
+
+
+def test_case_4_a_restart_does_not_credit_blocks_stored_before_it():
+    index, old = ResidencyIndex(), WorkerFeed("A", epoch=0)
+    for b in old.batches(range(0, 30), {5: [stored(H)]}):
+        index.apply(b)
+    new = WorkerFeed("A", epoch=1, ts0=old.ts(29) + 3)
+    for b in new.batches(range(0, 10)):
+        index.apply(b)
+    v = judge(index, request("A", new.ts(5)))
+    assert v.label is Label.NO_MATCH and v.epoch == 1
+
+
+def test_case_5_an_outage_longer_than_the_replay_window_is_quarantined():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    for b in a.batches(range(0, 10), {2: [stored(H)]}):
+        index.apply(b)
+    a.start_run(20_010, RunStart.AFTER_GAP, gap=(10, 20_009))
+    for b in a.batches(range(20_010, 20_020)):
+        index.apply(b)
+    v = judge(index, request("A", a.ts(20_015)))
+    assert v.label is Label.UNKNOWN_HISTORY and v.history is History.QUARANTINED
+
+
+def test_case_6_block_multiples_are_lookup_limit_not_eviction():
+    index = ResidencyIndex(["A"])
+    labels = []
+    for n, cached in ((16, 0), (17, 16), (32, 16), (33, 32)):
+        facts = RequestFacts(prompt_tokens=n, cached_tokens=cached, block_size=16, worker="A",
+                             lookup_time=1.0, block_hashes=[H, H + 1][: n // 16])
+        labels.append(judge(index, facts).label)
+    assert labels == [Label.LOOKUP_LIMIT, Label.HIT, Label.LOOKUP_LIMIT, Label.HIT]
+
+
+def test_case_7_a_different_salt_lora_or_token_is_no_match_with_the_kinds():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    for b in a.batches(range(0, 20), {3: [stored(H - 1, H)]}):
+        index.apply(b)
+    for kinds in (("cache_salt",), ("lora",), ()):
+        facts = request("A", a.ts(15), cached_blocks=1, first_miss=H + 99, extra_key_kinds=kinds)
+        v = judge(index, facts)
+        assert v.label is Label.NO_MATCH and v.extra_key_kinds == kinds
+
+
+def test_case_8_resident_on_b_but_routed_to_a_is_a_routing_miss():
+    index, a, b = ResidencyIndex(), WorkerFeed("A"), WorkerFeed("B")
+    for x in a.batches(range(0, 20)):
+        index.apply(x)
+    for x in b.batches(range(0, 20), {4: [stored(H)]}):
+        index.apply(x)
+    v = judge(index, request("A", a.ts(12)))
+    assert v.label is Label.ROUTING_MISS and v.holders == 1
