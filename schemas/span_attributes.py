@@ -1,0 +1,79 @@
+"""Span attribute names: what kvmiss reads (configurable) and writes (fixed).
+
+See shared/spec/SPANS.md. Inputs are lists of alternatives, tried in order (the first
+attribute present wins); users map their own router's names onto them in the config file
+(``[attributes]`` table) without code. Output names are flat: none is a prefix of another,
+because trace stores that nest dotted keys would collide.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where each request fact is read from. Every field is a list of attribute names."""
+
+    request_id: list[str] = msgspec.field(default_factory=lambda: ["gen_ai.request.id"])
+    prompt_tokens: list[str] = msgspec.field(
+        default_factory=lambda: ["gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"])
+    cached_tokens: list[str] = msgspec.field(
+        default_factory=lambda: ["gen_ai.usage.cache_read.input_tokens", "kvmiss.cached_tokens"])
+    block_size: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.block_size"])
+    worker: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.route.worker"])
+    dp_rank: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.route.dp_rank"])
+    route_policy: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.route.policy"])
+    predicted_cached_tokens: list[str] = msgspec.field(
+        default_factory=lambda: ["kvmiss.route.predicted_cached_tokens"])
+    instance: list[str] = msgspec.field(default_factory=lambda: ["service.instance.id"])
+    block_hashes: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.block_hashes"])
+    token_ids: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.token_ids"])
+    extra_keys: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.extra_keys"])
+    extra_key_kinds: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.extra_key_kinds"])
+    lookup_time_unix_nano: list[str] = msgspec.field(
+        default_factory=lambda: ["kvmiss.lookup_time_unix_nano"])
+    time_in_queue_s: list[str] = msgspec.field(
+        default_factory=lambda: ["gen_ai.latency.time_in_queue"])
+    transfer_result: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.result"])
+    transfer_source: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.source"])
+    recomputed_tokens: list[str] = msgspec.field(
+        default_factory=lambda: ["kvmiss.recomputed_tokens"])
+    tenant_policy: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.tenant_policy"])
+    adapter: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.adapter"])
+    model_revision: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.model_revision"])
+    template_version: list[str] = msgspec.field(
+        default_factory=lambda: ["kvmiss.template_version"])
+
+
+# Raw prompt material: hashed or read, then removed from every exported span.
+RAW_INPUTS = ("kvmiss.token_ids", "kvmiss.extra_keys")
+# Removed by default too (high cardinality, engine-internal); `export.keep_block_hashes` keeps it.
+BLOCK_HASHES = "kvmiss.block_hashes"
+
+# Outputs (SPANS.md), written with upsert semantics on the span carrying the cache outcome.
+LABEL = "kvmiss.label"
+OWNER = "kvmiss.owner"
+REASON = "kvmiss.reason"
+HISTORY = "kvmiss.history"
+FIRST_MISS_BLOCK = "kvmiss.first_miss_block"
+FIRST_MISS_DIGEST = "kvmiss.first_miss_digest"
+EXTRA_KEY_KINDS = "kvmiss.extra_key_kinds"
+MISSED_TOKENS = "kvmiss.missed_tokens"
+EVICTION_AGE_MS = "kvmiss.eviction_age_ms"
+HOLDERS = "kvmiss.holders"
+# Developer additions under the same flat rule.
+EPOCH = "kvmiss.epoch"
+STORED_SEQ = "kvmiss.stored_seq"
+REMOVED_SEQ = "kvmiss.removed_seq"
+GAP_FROM_SEQ = "kvmiss.gap_from_seq"
+GAP_TO_SEQ = "kvmiss.gap_to_seq"
+WINDOW_START = "kvmiss.window_start"
+WINDOW_SECONDS = "kvmiss.window_seconds"
+DIVERGENCE_KIND = "kvmiss.divergence_kind"
+DIVERGENCE_TOKEN = "kvmiss.divergence_token"
+
+OUTPUTS = (
+    LABEL, OWNER, REASON, HISTORY, FIRST_MISS_BLOCK, FIRST_MISS_DIGEST, EXTRA_KEY_KINDS,
+    MISSED_TOKENS, EVICTION_AGE_MS, HOLDERS, EPOCH, STORED_SEQ, REMOVED_SEQ, GAP_FROM_SEQ,
+    GAP_TO_SEQ, WINDOW_START, WINDOW_SECONDS, DIVERGENCE_KIND, DIVERGENCE_TOKEN,
+)
