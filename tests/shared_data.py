@@ -23,6 +23,8 @@ def shared_dir() -> Path:
 def load_json(name: str) -> dict:
     path = shared_dir() / "reference" / "data" / name
     if not path.exists():
+        if os.environ.get("KVMISS_REQUIRE_SHARED"):
+            pytest.fail(f"reference capture {path} is required (KVMISS_REQUIRE_SHARED is set)")
         pytest.skip(f"reference capture {path} is not present (set KVMISS_SHARED_DIR)")
     return json.loads(path.read_text())
 

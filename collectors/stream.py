@@ -1,0 +1,431 @@
+"""One worker's KV-event stream as a pure state machine: messages in, actions out.
+
+A `WorkerStream` follows one (endpoint, dp_rank) across process lifetimes. It is fed the
+parsed messages of collectors/frames.py (live batches, replay replies, the replay end
+marker, frame errors), timer ticks and connection facts, and returns `StreamAction`
+values (collectors/continuity.py) that the I/O layer carries out. It opens no socket,
+reads no clock and starts no thread: ``now`` is always an argument (the caller's clock,
+seconds, non-decreasing).
+
+Thread contract: not thread-safe. One owner calls every method, one message at a time,
+in arrival order per channel; actions are returned in the order they must be carried out.
+
+The rules (shared/spec/ATTRIBUTION.md 1-3, shared/reference/WIRE.md):
+  * seq n of an epoch is applied only after n-1. A jump holds later batches (bounded) and
+    asks replay for the hole; the first replayed seq must be the one asked for, else the
+    ring moved on and the difference is confirmed missing. Replay/live overlap is applied
+    once (two watermarks: ``applied_seq`` and ``live_seen``).
+  * An unanswered request is retried with growing waits; then the hole is written off as
+    "uncertain", never as "missing". Every written-off hole marks the run AFTER_GAP and
+    quarantines the worker until a known-empty point (seq 0 of a new epoch with nothing
+    missed, or an applied AllBlocksCleared).
+  * A live seq at or below the last live seq, or a new instance id in the topic, is a new
+    process: new epoch, replay from 0. After a reconnect without instance ids, the last
+    applied batch is re-read through replay and compared byte for byte before anything
+    else is applied; if that cannot be done, the epoch is marked uncertain.
+"""
+
+from __future__ import annotations
+
+from kvmiss.collectors.continuity import (
+    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
+    Quarantine, Quarantined, Received, Recovery, RecoveryPurpose, Release, ReorderBuffer,
+    RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, Unverified, bump,
+    instance_from_topic,
+)
+from kvmiss.collectors.frames import BatchMessage, FrameError, Message, ReplayEnd, WireError
+from kvmiss.schemas.events import AllBlocksCleared
+from kvmiss.schemas.stream import AppliedBatch, RunStart
+
+
+class WorkerStream:
+    """Sequence, epoch and quarantine state of one worker; see the module docstring.
+
+    ``replay``: the worker has a replay endpoint. ``topic_template``: e.g.
+    ``kv@{instance}@{model}`` when topics carry an instance id. ``state``: start from a
+    given state (tests, restore); default is a fresh INITIAL stream at epoch 0.
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        *,
+        replay: bool,
+        topic_template: str | None = None,
+        config: StreamConfig = StreamConfig(),
+        state: StreamState | None = None,
+    ) -> None:
+        if topic_template is not None:
+            instance_from_topic(topic_template, "")  # fail now on a bad template
+        self.worker = worker
+        self.replay = replay
+        self.topic_template = topic_template
+        self.config = config
+        self.state = state if state is not None else StreamState()
+        self.health = StreamHealth()
+        self._held = ReorderBuffer(config.buffer_limit)
+        self._out: list[StreamAction] = []
+        self._now: float | None = None
+        self._rate_second: int | None = None
+        self._rate_count = 0
+
+    # --- what the owner reads ---------------------------------------------------------------
+
+    @property
+    def cursor(self) -> Cursor:
+        recovery = self.state.recovery
+        if recovery is not None:
+            verifying = recovery.purpose is RecoveryPurpose.VERIFY
+            return Cursor.VERIFYING if verifying else Cursor.RECOVERING
+        return Cursor.INITIAL if self.state.applied_seq is None else Cursor.LIVE
+
+    @property
+    def quarantined(self) -> bool:
+        return self.state.quarantine is not None
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When `on_tick` has work to do (caller's clock, seconds); None: nothing pending."""
+        recovery = self.state.recovery
+        return recovery.deadline if recovery is not None else None
+
+    @property
+    def held(self) -> int:
+        """Batches held back while a hole is being recovered."""
+        return len(self._held)
+
+    # --- what the owner feeds ----------------------------------------------------------------
+
+    def on_live(self, message: BatchMessage | FrameError, now: float) -> list[StreamAction]:
+        """A message from the SUB socket (`parse_live`)."""
+        self._begin(now)
+        if message.seq is None:
+            bump(self.health.dropped, DropReason.FRAME_ERROR)
+            return self._end()
+        state, seq = self.state, message.seq
+        instance = None
+        if self.topic_template is not None and isinstance(message, BatchMessage):
+            instance = instance_from_topic(self.topic_template, message.topic)
+        if instance is not None and state.instance is not None and instance != state.instance:
+            self._new_epoch(EpochCause.INSTANCE_CHANGED, instance)
+        elif state.live_seen is not None and seq <= state.live_seen:
+            self._new_epoch(EpochCause.SEQ_RESET, instance or state.instance)
+        state = self.state  # a new epoch is a new state
+        if instance is not None:
+            state.instance = instance
+        state.live_seen = seq
+        self._offer(Received(message, now, replayed=False))
+        return self._end()
+
+    def on_replay(self, message: Message, request_id: int, now: float) -> list[StreamAction]:
+        """A message from the DEALER opened for `RequestReplay` ``request_id`` (`parse_replay`)."""
+        self._begin(now)
+        recovery = self.state.recovery
+        if recovery is None or recovery.request_id != request_id:
+            bump(self.health.dropped, DropReason.STALE_REPLY)
+            return self._end()
+        if isinstance(message, ReplayEnd):
+            self._replay_ended(recovery)
+            return self._end()
+        recovery.answered = True
+        recovery.deadline = now + self._wait(recovery.attempt)  # an idle timeout, not a total one
+        if message.seq is None:
+            bump(self.health.dropped, DropReason.FRAME_ERROR)
+            return self._end()
+        item = Received(message, now, replayed=True)
+        if recovery.first_seq is None and item.seq >= recovery.start:
+            recovery.first_seq = self.health.oldest_replayable_seq = item.seq
+            if recovery.purpose is RecoveryPurpose.VERIFY:
+                self._verify_identity(recovery, item)
+                return self._end()
+            if item.seq > recovery.start:
+                self._ring_moved_on(item.seq)
+        self._offer(item)
+        return self._end()
+
+    def on_tick(self, now: float) -> list[StreamAction]:
+        """Time passed; call at `next_deadline` (earlier or later is harmless)."""
+        self._begin(now)
+        recovery = self.state.recovery
+        if recovery is not None and now >= recovery.deadline:
+            self._replay_timed_out(recovery)
+        return self._end()
+
+    def on_reconnect(self, now: float) -> list[StreamAction]:
+        """The SUB socket (re)connected: call before its first message (a first connect is fine)."""
+        self._begin(now)
+        state, recovery = self.state, self.state.recovery
+        topic_says_who = self.topic_template is not None and state.instance is not None
+        if state.applied_seq is None or topic_says_who:
+            # Nothing to re-identify, or the topic will say who it is: re-send what was lost.
+            if recovery is not None:
+                self._request(
+                    recovery.purpose, recovery.start, recovery.proven_to, recovery.attempt)
+            return self._end()
+        # Held batches may be another process's; replay from the check point re-sends them.
+        bump(self.health.dropped, DropReason.RECONNECT, self._held.clear())
+        state.recovery = None
+        if not self._replay_usable():
+            self._unverified(Unverified.NO_ANSWER if self.replay else Unverified.NO_REPLAY_ENDPOINT)
+        elif state.last_payload_seq is None:
+            self._unverified(Unverified.NOTHING_TO_COMPARE)
+        else:
+            proven_to = max(state.applied_seq, -1 if state.live_seen is None else state.live_seen)
+            self._request(RecoveryPurpose.VERIFY, state.last_payload_seq, proven_to)
+        return self._end()
+
+    # --- transitions, named for their cause ----------------------------------------------------
+
+    def _offer(self, item: Received) -> None:
+        expected = self._next_seq()
+        if item.seq < expected:
+            self.health.duplicates += 1
+        elif item.seq == expected and not self._holding():
+            self._apply(item)
+            self._settle()
+        else:
+            bump(self.health.dropped, DropReason.BUFFER_FULL, self._held.put(item))
+            self._settle()
+
+    def _settle(self) -> None:
+        """Apply what has become contiguous; ask for (or write off) the next hole."""
+        while not self._holding():
+            first_held, expected = self._held.first(), self._next_seq()
+            if first_held is not None and first_held < expected:  # overtaken by a write-off
+                self._held.pop(first_held)
+                self.health.duplicates += 1
+                continue
+            item = self._held.pop(expected)
+            if item is not None:
+                self._apply(item)
+            elif self._held and self.state.recovery is None:
+                self._hole_noticed()
+            else:
+                return
+
+    def _hole_noticed(self) -> None:
+        state, first_held = self.state, self._held.first()
+        assert first_held is not None, "a hole is only noticed below a held batch"
+        purpose = self._purpose()
+        if purpose is RecoveryPurpose.GAP:
+            self.health.gaps_detected += 1
+        if not self.replay:
+            self._write_off(first_held - 1, HoleReason.NO_REPLAY_ENDPOINT)
+        elif not self._replay_usable():
+            self._write_off(first_held - 1, HoleReason.UNCERTAIN, "replay endpoint cooling down")
+        else:
+            proven_to = max(first_held, state.live_seen if state.live_seen is not None else -1)
+            self._request(purpose, self._next_seq(), proven_to)
+
+    def _ring_moved_on(self, first_replayed: int) -> None:
+        """The reply starts after the seq asked for: what lies below it and is not held is gone."""
+        while self._next_seq() < first_replayed:
+            first_held = self._held.first()
+            below = first_replayed if first_held is None else min(first_held, first_replayed)
+            self._write_off(below - 1, HoleReason.MISSING, "replay ring no longer holds it")
+            while (item := self._held.pop(self._next_seq())) is not None:
+                self._apply(item)
+
+    def _replay_ended(self, recovery: Recovery) -> None:
+        if recovery.purpose is RecoveryPurpose.VERIFY:  # the ring held nothing to compare
+            self._unverified(Unverified.NOT_IN_RING)
+        if self._next_seq() <= recovery.proven_to:  # published before we asked, yet not sent
+            upto = min(self._below_held(recovery.proven_to), recovery.proven_to)
+            self._write_off(upto, HoleReason.MISSING, "replay ended before the hole was filled")
+        self.state.recovery = None
+        if recovery.lost:
+            self.health.replays_failed += 1
+        else:
+            self.health.replays_recovered += 1
+        self._settle()  # batches published after we asked and dropped from the buffer: ask again
+
+    def _replay_timed_out(self, recovery: Recovery) -> None:
+        state, config = self.state, self.config
+        self.health.replay_timeouts += 1
+        if recovery.answered:  # it was sending, then went quiet: ask again from where we are
+            state.recovery = None
+            if recovery.purpose is RecoveryPurpose.VERIFY:
+                self._unverified(Unverified.NO_ANSWER)
+            if self._held or self._next_seq() <= recovery.proven_to:
+                self._request(self._purpose(), self._next_seq(), recovery.proven_to)
+            else:
+                self.health.replays_recovered += 1
+        elif recovery.attempt < config.replay_retries:
+            attempt = recovery.attempt + 1
+            self._request(recovery.purpose, recovery.start, recovery.proven_to, attempt)
+            return
+        else:
+            self.health.replays_failed += 1
+            state.cooldown_until = self._clock() + config.replay_cooldown_s
+            if recovery.purpose is RecoveryPurpose.VERIFY:
+                self._unverified(Unverified.NO_ANSWER)
+            upto = self._below_held(recovery.proven_to)
+            tries = recovery.attempt + 1
+            self._write_off(upto, HoleReason.UNCERTAIN, f"no replay answer in {tries} tries")
+            state.recovery = None
+        self._settle()
+
+    def _verify_identity(self, recovery: Recovery, item: Received) -> None:
+        state = self.state
+        same_seq = item.seq == recovery.start
+        message = item.message
+        same_bytes = isinstance(message, BatchMessage) and message.payload == state.last_payload
+        if same_seq and same_bytes:
+            recovery.purpose = RecoveryPurpose.GAP  # same process: the rest of the reply fills gaps
+            self._settle()
+            return
+        if same_seq:  # same position, other bytes: another process answers at this endpoint
+            cause = EpochCause.IDENTITY_MISMATCH
+            self._new_epoch(cause, state.instance, certain=False, keep_held=True)
+            self.state.live_seen = self._held.last()  # held live batches are the new process's
+        else:
+            recovery.purpose = RecoveryPurpose.GAP
+            self._unverified(Unverified.NOT_IN_RING)
+            if item.seq > self._next_seq():
+                self._ring_moved_on(item.seq)
+        self._offer(item)
+
+    def _new_epoch(
+        self, cause: EpochCause, instance: str | None, *, certain: bool = True,
+        keep_held: bool = False,
+    ) -> None:
+        """A new process lifetime: nothing of the old epoch carries over but the quarantine."""
+        state = self.state
+        if not keep_held:
+            bump(self.health.dropped, DropReason.EPOCH_CHANGE, self._held.clear())
+        self.health.epoch_changes += 1
+        self.state = StreamState(
+            epoch=state.epoch + 1,
+            instance=instance,
+            epoch_certain=certain,
+            origin_seen=True,
+            quarantine=state.quarantine,
+            last_request_id=state.last_request_id,
+            cooldown_until=state.cooldown_until,
+        )
+        self._out.append(NewEpoch(self.state.epoch, cause, instance, certain))
+
+    def _write_off(self, upto: int, reason: HoleReason, detail: str = "") -> None:
+        """Seqs from the next expected one through ``upto`` will never be applied."""
+        state, first = self.state, self._next_seq()
+        if upto < first:
+            return
+        state.applied_seq = upto
+        joined = state.run is None and not state.origin_seen and first == self.config.first_seq
+        if joined and reason is not HoleReason.MALFORMED:
+            # First sight of an epoch already under way: history before it is unknown, and
+            # the index holds nothing of it, so nothing stale needs fencing off.
+            state.run = Run(upto + 1, RunStart.JOINED)
+            self.health.joins += 1
+            return
+        state.run = Run(upto + 1, RunStart.AFTER_GAP, first, upto)
+        if state.recovery is not None and reason is not HoleReason.MALFORMED:
+            state.recovery.lost = True
+        bump(self.health.unrecoverable_gaps, reason)
+        bump(self.health.lost_batches, reason, upto - first + 1)
+        self._out.append(Hole(state.epoch, first, upto, reason, detail))
+        if state.quarantine is None:
+            state.quarantine = Quarantined(state.epoch, first, reason, self._clock())
+            self._out.append(Quarantine(state.epoch, first, reason))
+
+    def _apply(self, item: Received) -> None:
+        state, message, seq = self.state, item.message, item.seq
+        try:
+            if isinstance(message, FrameError):
+                raise WireError(message.reason)
+            batch = message.decode()
+        except WireError as exc:
+            self._write_off(seq, HoleReason.MALFORMED, str(exc))
+            return
+        known_empty = None
+        if state.run is None:  # the epoch's first seq, nothing missed before it
+            state.run = Run(seq, RunStart.EPOCH_START)
+            known_empty = KnownEmpty.EPOCH_START
+        elif any(type(event) is AllBlocksCleared for event in batch.events):
+            known_empty = KnownEmpty.CLEARED
+        if known_empty is not None:
+            self._known_empty_applied(seq, known_empty)
+        state.applied_seq = state.last_payload_seq = seq
+        state.last_payload = message.payload
+        run = state.run
+        self._out.append(Apply(AppliedBatch(
+            worker=self.worker, epoch=state.epoch, seq=seq, ts=batch.ts, recv_ts=item.recv_ts,
+            events=batch.events, run_start_seq=run.start_seq, run_start=run.start,
+            gap_from_seq=run.gap_from_seq, gap_to_seq=run.gap_to_seq, instance=state.instance,
+            epoch_certain=state.epoch_certain, replayed=item.replayed,
+        )))
+        self._count_applied(batch.ts, item.replayed, seq)
+
+    def _known_empty_applied(self, seq: int, cause: KnownEmpty) -> None:
+        state = self.state
+        state.epoch_certain = True
+        if state.quarantine is not None:
+            state.quarantine = None
+            self._out.append(Release(state.epoch, seq, cause))
+
+    def _unverified(self, reason: Unverified) -> None:
+        if self.state.epoch_certain:
+            self.state.epoch_certain = False
+            self.health.identity_unverified += 1
+            self._out.append(EpochUncertain(self.state.epoch, reason))
+
+    def _request(
+        self, purpose: RecoveryPurpose, start: int, proven_to: int, attempt: int = 0
+    ) -> None:
+        state = self.state
+        state.last_request_id += 1
+        state.recovery = Recovery(
+            purpose=purpose, request_id=state.last_request_id, start=start, proven_to=proven_to,
+            attempt=attempt, deadline=self._clock() + self._wait(attempt),
+        )
+        self.health.replays_requested += 1
+        self._out.append(RequestReplay(start, state.last_request_id, attempt))
+
+    # --- small helpers ----------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        applied = self.state.applied_seq
+        return self.config.first_seq if applied is None else applied + 1
+
+    def _below_held(self, default: int) -> int:
+        """The seq just below the oldest held batch; ``default`` when none is held."""
+        first_held = self._held.first()
+        return default if first_held is None else first_held - 1
+
+    def _purpose(self) -> RecoveryPurpose:
+        return RecoveryPurpose.FROM_ZERO if self.state.applied_seq is None else RecoveryPurpose.GAP
+
+    def _clock(self) -> float:
+        assert self._now is not None, "every entry point sets the clock first"
+        return self._now
+
+    def _holding(self) -> bool:
+        recovery = self.state.recovery
+        return recovery is not None and recovery.purpose is RecoveryPurpose.VERIFY
+
+    def _replay_usable(self) -> bool:
+        until = self.state.cooldown_until
+        return self.replay and (until is None or self._clock() >= until)
+
+    def _wait(self, attempt: int) -> float:
+        return self.config.replay_timeout_s * self.config.replay_backoff**attempt
+
+    def _count_applied(self, ts: float, replayed: bool, seq: int) -> None:
+        health = self.health
+        health.batches_applied += 1
+        health.batches_replayed += replayed
+        health.last_contiguous_seq = seq
+        second = int(ts // 1)
+        self._rate_count = self._rate_count + 1 if second == self._rate_second else 1
+        self._rate_second = second
+        health.peak_batches_per_s = max(health.peak_batches_per_s, self._rate_count)
+
+    def _begin(self, now: float) -> None:
+        if self.state.quarantine is not None and self._now is not None:
+            self.health.quarantine_s += max(0.0, now - self._now)
+        self._now = now
+        self._out = []
+
+    def _end(self) -> list[StreamAction]:
+        out, self._out = self._out, []
+        return out

@@ -1,0 +1,441 @@
+"""The worker stream state machine: messages and ticks in, actions out (collectors/stream.py).
+
+Streams are built in a literal state; payloads are real msgpack made from schemas/events.py.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, strategies as st
+
+from kvmiss.collectors.continuity import (
+    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
+    Quarantine, Release, RequestReplay, Run, StreamConfig, StreamState, Unverified,
+    instance_from_topic, worker_id,
+)
+from kvmiss.collectors.frames import BatchMessage, Channel, FrameError, ReplayEnd, parse_live
+from kvmiss.collectors.stream import WorkerStream
+from kvmiss.schemas.events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch,
+)
+from kvmiss.schemas.stream import RunStart
+
+WORKER = worker_id("tcp://10.0.0.7:5557", 0)
+TOPIC = "kv@pod-a@llama"
+H = 0xF00D_0000_0000_0001
+
+
+# --- builders ------------------------------------------------------------------------------------
+
+
+def engine_ts(seq: int) -> float:
+    return 1000.0 + seq / 100  # 100 batches per engine second
+
+
+def payload(seq: int, *events, ts: float | None = None) -> bytes:
+    events = list(events) or [BlockStored(block_hashes=[seq], block_size=16)]
+    return msgspec.msgpack.encode(EventBatch(engine_ts(seq) if ts is None else ts, events, 0))
+
+
+def live(seq: int, *events, topic: str = TOPIC, ts: float | None = None) -> BatchMessage:
+    return BatchMessage(Channel.LIVE, topic, seq, payload(seq, *events, ts=ts))
+
+
+def replayed(seq: int, *events, topic: str = TOPIC) -> BatchMessage:
+    return BatchMessage(Channel.REPLAY, topic, seq, payload(seq, *events))
+
+
+def stream_at(seq: int, *, epoch: int = 42, replay: bool = True, **kwargs) -> WorkerStream:
+    """A stream of epoch ``epoch`` that has applied 0..seq with nothing missed."""
+    state = StreamState(
+        epoch=epoch, applied_seq=seq, live_seen=seq, run=Run(0, RunStart.EPOCH_START),
+        last_payload=payload(seq), last_payload_seq=seq, instance=kwargs.pop("instance", None),
+    )
+    return WorkerStream(WORKER, replay=replay, state=state, **kwargs)
+
+
+def feed(stream: WorkerStream, seqs, now: float = 1.0, **kw) -> list:
+    return [a for s in seqs for a in stream.on_live(live(s, **kw), now)]
+
+
+def answer(stream: WorkerStream, request_id: int, batches, now: float = 1.5, end: bool = True):
+    """Replies to request ``request_id``: seqs or messages, then (by default) the end marker."""
+    messages = [replayed(b) if isinstance(b, int) else b for b in batches]
+    out = [a for m in messages for a in stream.on_replay(m, request_id, now)]
+    return out + (stream.on_replay(ReplayEnd(), request_id, now) if end else [])
+
+
+def applied(actions) -> list:
+    return [a.batch for a in actions if isinstance(a, Apply)]
+
+
+def seqs(actions) -> list[int]:
+    return [b.seq for b in applied(actions)]
+
+
+def facts(actions) -> list:
+    return [a for a in actions if not isinstance(a, Apply)]
+
+
+# --- builders are real wire data -----------------------------------------------------------------
+
+
+def test_payload_builder_round_trips_through_the_wire_decoder():
+    stored = BlockStored(block_hashes=[H], block_size=16)
+    batch = decode_batch(payload(7, stored, AllBlocksCleared()))
+    assert batch.ts == engine_ts(7) and batch.dp_rank == 0
+    assert [type(e) for e in batch.events] == [BlockStored, AllBlocksCleared]
+    assert parse_live([TOPIC.encode(), (7).to_bytes(8, "big"), payload(7)]) == live(7)
+
+
+# --- continuity in one epoch ---------------------------------------------------------------------
+
+
+def test_a_fresh_stream_starting_at_seq_zero_applies_in_order_from_epoch_start():
+    stream = WorkerStream(WORKER, replay=True)
+    out = feed(stream, [0, 1, 2], now=5.0)
+    assert seqs(out) == [0, 1, 2] and facts(out) == []
+    first = applied(out)[0]
+    assert (first.run_start, first.run_start_seq, first.epoch, first.worker) == (
+        RunStart.EPOCH_START, 0, 0, WORKER)
+    assert (first.ts, first.recv_ts, first.replayed) == (engine_ts(0), 5.0, False)
+    assert first.epoch_certain
+    assert stream.cursor is Cursor.LIVE and stream.health.last_contiguous_seq == 2
+
+
+def test_a_dropped_batch_is_recovered_by_replay_before_the_later_batch_is_applied():
+    stream = stream_at(147)
+    assert stream.on_live(live(149), now=1.0) == [RequestReplay(148, request_id=1)]
+    assert stream.cursor is Cursor.RECOVERING and stream.held == 1
+    out = answer(stream, 1, [replayed(148, BlockRemoved(block_hashes=[H])), 149], now=1.2)
+    assert seqs(out) == [148, 149] and facts(out) == []
+    removal = applied(out)[0]
+    assert removal.replayed and removal.events == [BlockRemoved(block_hashes=[H])]
+    assert removal.run_start is RunStart.EPOCH_START  # continuous: an eviction stays provable
+    assert stream.cursor is Cursor.LIVE and not stream.quarantined
+    assert (stream.health.replays_recovered, stream.health.duplicates) == (1, 1)
+    assert seqs(feed(stream, [150])) == [150]
+
+
+def test_replay_from_201_returning_only_205_to_207_confirms_hole_201_to_204_and_quarantines():
+    stream = stream_at(200)
+    assert stream.on_live(live(207), now=1.0) == [RequestReplay(201, request_id=1)]
+    out = answer(stream, 1, [205, 206, 207], now=1.1)
+    assert facts(out) == [Hole(42, 201, 204, HoleReason.MISSING, "replay ring no longer holds it"),
+                          Quarantine(42, 201, HoleReason.MISSING)]
+    assert seqs(out) == [205, 206, 207]
+    after = applied(out)[0]
+    assert (after.run_start, after.run_start_seq, after.gap_from_seq, after.gap_to_seq) == (
+        RunStart.AFTER_GAP, 205, 201, 204)
+    assert stream.quarantined and stream.health.unrecoverable_gaps == {HoleReason.MISSING: 1}
+    assert stream.health.lost_batches == {HoleReason.MISSING: 4}
+    assert (stream.health.replays_failed, stream.health.oldest_replayable_seq) == (1, 205)
+
+
+def test_an_all_blocks_cleared_applied_after_the_hole_ends_the_quarantine():
+    stream = stream_at(200)
+    stream.on_live(live(207), now=1.0)
+    answer(stream, 1, [205, 206, 207], now=1.1)
+    out = feed(stream, [208], now=2.0) + stream.on_live(live(209, AllBlocksCleared()), now=3.0)
+    assert facts(out) == [Release(42, 209, KnownEmpty.CLEARED)]
+    assert applied(out)[1].run_start is RunStart.AFTER_GAP  # the index sees the clear itself
+    assert not stream.quarantined and stream.health.quarantine_s == pytest.approx(3.0 - 1.1)
+
+
+def test_a_replay_that_ends_before_covering_the_hole_makes_it_permanent():
+    stream = stream_at(200)
+    stream.on_live(live(204), now=1.0)
+    out = answer(stream, 1, [201, 202], now=1.1)
+    assert facts(out) == [
+        Hole(42, 203, 203, HoleReason.MISSING, "replay ended before the hole was filled"),
+        Quarantine(42, 203, HoleReason.MISSING),
+    ]
+    assert seqs(out) == [201, 202, 204]
+
+
+def test_replay_and_live_overlap_is_applied_once():
+    stream = stream_at(200)
+    out = feed(stream, [203])
+    out += answer(stream, 1, [201, 202, 203, 204, 205], end=False)  # replay gets ahead of live
+    out += feed(stream, [204, 205, 206])
+    out += stream.on_replay(ReplayEnd(), 1, now=2.0)
+    assert seqs(out) == [201, 202, 203, 204, 205, 206]
+    assert [b.replayed for b in applied(out)] == [True, True, False, True, True, False]
+    assert stream.health.duplicates == 3 and stream.health.epoch_changes == 0
+
+
+def test_a_malformed_payload_in_the_middle_is_a_counted_hole_and_the_rest_flows():
+    stream = stream_at(200)
+    bad = BatchMessage(Channel.LIVE, TOPIC, 201, b"\xc1 not msgpack")
+    out = stream.on_live(bad, now=1.0) + feed(stream, [202, 203])
+    hole = facts(out)[0]
+    assert (hole.from_seq, hole.to_seq, hole.reason) == (201, 201, HoleReason.MALFORMED)
+    assert "not msgpack" in hole.detail
+    assert facts(out)[1:] == [Quarantine(42, 201, HoleReason.MALFORMED)]
+    assert seqs(out) == [202, 203] and applied(out)[0].gap_from_seq == 201
+    assert stream.health.unrecoverable_gaps == {HoleReason.MALFORMED: 1}
+    assert stream.health.replays_requested == 0
+
+
+def test_a_frame_without_a_readable_seq_is_counted_and_the_gap_it_leaves_is_asked_for():
+    stream = stream_at(200)
+    assert stream.on_live(FrameError("live: sequence frame must be 8 bytes, got 3"), now=1.0) == []
+    assert stream.health.dropped == {DropReason.FRAME_ERROR: 1}
+    assert stream.on_live(live(202), now=1.1) == [RequestReplay(201, request_id=1)]
+
+
+# --- time-outs -----------------------------------------------------------------------------------
+
+
+def test_a_replay_that_never_answers_is_retried_with_growing_waits_then_written_off_as_uncertain():
+    stream = stream_at(200)
+    assert stream.on_live(live(202), now=0.0) == [RequestReplay(201, request_id=1)]
+    assert stream.on_tick(1.9) == []
+    assert stream.on_tick(2.0) == [RequestReplay(201, request_id=2, attempt=1)]
+    assert stream.next_deadline == 6.0
+    assert stream.on_tick(6.0) == [RequestReplay(201, request_id=3, attempt=2)]
+    assert stream.on_tick(14.0) == [RequestReplay(201, request_id=4, attempt=3)]
+    out = stream.on_tick(30.0)
+    assert facts(out) == [Hole(42, 201, 201, HoleReason.UNCERTAIN, "no replay answer in 4 tries"),
+                          Quarantine(42, 201, HoleReason.UNCERTAIN)]
+    assert seqs(out) == [202] and stream.next_deadline is None
+    assert stream.health.unrecoverable_gaps == {HoleReason.UNCERTAIN: 1}  # never "missing"
+    assert (stream.health.replay_timeouts, stream.health.replays_failed) == (4, 1)
+
+
+def test_after_an_unanswered_replay_new_holes_are_not_asked_for_until_the_cooldown_ends():
+    stream = stream_at(200, config=StreamConfig(replay_retries=0, replay_cooldown_s=30.0))
+    stream.on_live(live(202), now=0.0)
+    stream.on_tick(2.0)
+    assert facts(stream.on_live(live(204), now=10.0))[0].reason is HoleReason.UNCERTAIN
+    assert stream.on_live(live(206), now=40.0) == [RequestReplay(205, request_id=2)]
+
+
+def test_a_reply_to_an_abandoned_request_is_ignored():
+    stream = stream_at(200)
+    stream.on_live(live(202), now=0.0)
+    stream.on_tick(2.0)  # request 1 abandoned, request 2 sent
+    assert answer(stream, 1, [150, 151]) == []
+    assert stream.health.dropped == {DropReason.STALE_REPLY: 3}
+    assert seqs(answer(stream, 2, [201, 202])) == [201, 202]
+
+
+# --- the recovery buffer -------------------------------------------------------------------------
+
+
+def test_a_full_recovery_buffer_drops_its_oldest_batch_and_replay_refills_it():
+    stream = stream_at(200, config=StreamConfig(buffer_limit=3))
+    out = feed(stream, [202, 203, 204, 205, 206])
+    assert stream.held == 3 and stream.health.dropped == {DropReason.BUFFER_FULL: 2}
+    out += answer(stream, 1, [201, 202, 203, 204, 205, 206])
+    assert seqs(out) == [201, 202, 203, 204, 205, 206] and facts(out)[1:] == []
+
+
+def test_batches_dropped_from_a_full_buffer_join_the_hole_when_replay_cannot_give_them():
+    stream = stream_at(200, config=StreamConfig(buffer_limit=3, replay_retries=0))
+    feed(stream, [202, 203, 204, 205, 206], now=0.0)
+    out = stream.on_tick(2.0)
+    assert facts(out)[0] == Hole(42, 201, 203, HoleReason.UNCERTAIN, "no replay answer in 1 tries")
+    assert seqs(out) == [204, 205, 206]
+    assert stream.health.lost_batches == {HoleReason.UNCERTAIN: 3}
+
+
+# --- joining and epochs --------------------------------------------------------------------------
+
+
+def test_a_mid_epoch_join_asks_for_everything_and_starts_joined_when_the_ring_moved_on():
+    stream = WorkerStream(WORKER, replay=True)
+    assert stream.on_live(live(5000), now=1.0) == [RequestReplay(0, request_id=1)]
+    out = answer(stream, 1, range(4990, 5001))
+    assert facts(out) == [] and seqs(out) == list(range(4990, 5001))
+    assert {(b.run_start, b.run_start_seq) for b in applied(out)} == {(RunStart.JOINED, 4990)}
+    assert not stream.quarantined and stream.health.joins == 1
+
+
+def test_a_mid_epoch_join_that_replay_covers_from_zero_starts_at_epoch_start():
+    stream = WorkerStream(WORKER, replay=True)
+    stream.on_live(live(3), now=1.0)
+    out = answer(stream, 1, [0, 1, 2, 3])
+    assert seqs(out) == [0, 1, 2, 3] and applied(out)[3].run_start is RunStart.EPOCH_START
+
+
+def test_a_mid_epoch_join_whose_replay_never_answers_starts_joined_and_is_counted_as_failed():
+    stream = WorkerStream(WORKER, replay=True, config=StreamConfig(replay_retries=0))
+    stream.on_live(live(800), now=0.0)
+    out = stream.on_tick(2.0)
+    assert facts(out) == [] and applied(out)[0].run_start is RunStart.JOINED
+    assert (stream.health.joins, stream.health.replays_failed) == (1, 1)
+
+
+def test_without_a_replay_endpoint_nothing_is_asked_a_join_is_joined_and_a_gap_is_immediate():
+    stream = WorkerStream(WORKER, replay=False)
+    out = feed(stream, [70, 71, 74])
+    assert applied(out)[0].run_start is RunStart.JOINED
+    assert facts(out) == [Hole(0, 72, 73, HoleReason.NO_REPLAY_ENDPOINT),
+                          Quarantine(0, 72, HoleReason.NO_REPLAY_ENDPOINT)]
+    assert seqs(out) == [70, 71, 74] and stream.health.replays_requested == 0
+
+
+def test_a_publisher_restart_is_a_new_epoch_replayed_from_zero_not_duplicates():
+    stream = stream_at(50)
+    out = stream.on_live(live(1), now=1.0)  # the new process's seq 0 was lost on reconnect
+    assert out == [NewEpoch(43, EpochCause.SEQ_RESET), RequestReplay(0, request_id=1)]
+    out = answer(stream, 1, [0, 1]) + feed(stream, [2])
+    assert seqs(out) == [0, 1, 2] and {b.epoch for b in applied(out)} == {43}
+    assert {(b.run_start, b.run_start_seq) for b in applied(out)} == {(RunStart.EPOCH_START, 0)}
+    assert stream.health.duplicates == 1 and stream.health.epoch_changes == 1
+
+
+def test_a_new_epoch_whose_seq_zero_is_gone_starts_after_a_gap_and_is_quarantined():
+    stream = stream_at(50)
+    stream.on_live(live(9), now=1.0)
+    out = answer(stream, 1, [4, 5, 6, 7, 8, 9])
+    assert facts(out)[0] == Hole(43, 0, 3, HoleReason.MISSING, "replay ring no longer holds it")
+    assert applied(out)[0].run_start is RunStart.AFTER_GAP and stream.quarantined
+
+
+def test_a_new_epoch_from_seq_zero_ends_an_earlier_quarantine():
+    stream = stream_at(200)
+    stream.on_live(BatchMessage(Channel.LIVE, TOPIC, 201, b"\xc1"), now=1.0)
+    out = stream.on_live(live(0), now=2.0)
+    assert facts(out) == [NewEpoch(43, EpochCause.SEQ_RESET),
+                          Release(43, 0, KnownEmpty.EPOCH_START)]
+    assert not stream.quarantined
+
+
+def test_an_instance_change_in_the_topic_is_a_new_epoch_even_while_seq_goes_up():
+    template = "kv@{instance}@{model}"
+    stream = stream_at(200, topic_template=template, instance="pod-a")
+    out = stream.on_live(live(900, topic="kv@pod-b@llama"), now=1.0)
+    assert out == [NewEpoch(43, EpochCause.INSTANCE_CHANGED, "pod-b"),
+                   RequestReplay(0, request_id=1)]
+    assert seqs(feed(stream, [901], topic="kv@pod-b@llama")) == []  # held behind the replay
+
+
+def test_topic_templates_yield_the_instance_id_or_none():
+    assert instance_from_topic("kv@{instance}@model", "kv@pod-7@model") == "pod-7"
+    llm_d = "kv@10.0.0.1:5557@meta/llama@v2"
+    assert instance_from_topic("kv@{instance}@{model}", llm_d) == "10.0.0.1:5557"
+    assert instance_from_topic("kv@{instance}@model", "other@pod-7@model") is None
+    with pytest.raises(ValueError):
+        instance_from_topic("kv@{model}", "kv@x")
+
+
+# --- reconnects ----------------------------------------------------------------------------------
+
+
+def test_a_reconnect_re_reads_the_last_batch_and_continues_when_the_bytes_match():
+    stream = stream_at(200)
+    assert stream.on_reconnect(now=1.0) == [RequestReplay(200, request_id=1)]
+    assert stream.on_live(live(201), now=1.1) == [] and stream.cursor is Cursor.VERIFYING
+    out = answer(stream, 1, [200, 201, 202], now=1.2)
+    assert seqs(out) == [201, 202] and facts(out) == []
+    assert applied(out)[0].epoch == 42 and applied(out)[0].epoch_certain
+
+
+def test_a_reconnect_with_instance_ids_trusts_the_topic_and_re_sends_an_outstanding_request():
+    stream = stream_at(200, topic_template="kv@{instance}@{model}", instance="pod-a")
+    stream.on_live(live(202), now=1.0)
+    assert stream.on_reconnect(now=2.0) == [RequestReplay(201, request_id=2)]
+    assert seqs(answer(stream, 2, [201, 202])) == [201, 202] and stream.state.epoch_certain
+
+
+def test_a_reconnect_to_other_bytes_at_the_last_seq_is_a_new_uncertain_epoch_until_seq_zero():
+    stream = stream_at(200)
+    stream.on_reconnect(now=1.0)
+    other = BatchMessage(Channel.REPLAY, TOPIC, 200, payload(200, ts=5.0))
+    assert stream.on_replay(other, 1, now=1.1) == [
+        NewEpoch(43, EpochCause.IDENTITY_MISMATCH, certain=False), RequestReplay(0, request_id=2)]
+    out = answer(stream, 2, range(0, 201))
+    assert seqs(out) == list(range(0, 201)) and all(b.epoch_certain for b in applied(out))
+
+
+def test_a_reconnect_without_a_replay_endpoint_leaves_the_epoch_uncertain_until_a_clear():
+    stream = stream_at(200, replay=False)
+    assert stream.on_reconnect(now=1.0) == [EpochUncertain(42, Unverified.NO_REPLAY_ENDPOINT)]
+    out = feed(stream, [201]) + stream.on_live(live(202, AllBlocksCleared()), 1.0)
+    out += feed(stream, [203])
+    assert [b.epoch_certain for b in applied(out)] == [False, True, True]
+
+
+def test_a_reconnect_check_that_gets_no_answer_applies_held_batches_as_uncertain():
+    stream = stream_at(200, config=StreamConfig(replay_retries=1))
+    stream.on_reconnect(now=0.0)
+    feed(stream, [201], now=0.5)
+    stream.on_tick(2.0)
+    out = stream.on_tick(6.0)
+    assert facts(out) == [EpochUncertain(42, Unverified.NO_ANSWER)]
+    assert seqs(out) == [201] and not applied(out)[0].epoch_certain
+
+
+def test_a_reconnect_check_answered_by_an_empty_ring_is_uncertain_and_loses_the_open_hole():
+    stream = stream_at(200)
+    stream.on_live(live(203), now=1.0)  # 201..202 being asked for when the connection drops
+    assert stream.on_reconnect(now=2.0) == [RequestReplay(200, request_id=2)]
+    assert stream.on_replay(ReplayEnd(), 2, now=2.1) == [
+        EpochUncertain(42, Unverified.NOT_IN_RING),
+        Hole(42, 201, 203, HoleReason.MISSING, "replay ended before the hole was filled"),
+        Quarantine(42, 201, HoleReason.MISSING),
+    ]
+    assert stream.health.dropped == {DropReason.RECONNECT: 1}
+    assert seqs(feed(stream, [204])) == [204]
+
+
+def test_a_consumer_down_longer_than_the_replay_window_is_quarantined_not_resumed():
+    stream = stream_at(200)
+    stream.on_reconnect(now=100.0)
+    feed(stream, [12500], now=100.1)
+    out = answer(stream, 1, range(12000, 12501), now=100.2)
+    assert facts(out) == [
+        EpochUncertain(42, Unverified.NOT_IN_RING),
+        Hole(42, 201, 11999, HoleReason.MISSING, "replay ring no longer holds it"),
+        Quarantine(42, 201, HoleReason.MISSING),
+    ]
+    assert seqs(out) == list(range(12000, 12501)) and stream.quarantined
+
+
+# --- health --------------------------------------------------------------------------------------
+
+
+def test_peak_batch_rate_is_counted_over_whole_seconds_of_engine_time():
+    stream = WorkerStream(WORKER, replay=True)
+    for seq, ts in enumerate([10.1, 10.5, 10.9, 11.0, 12.2, 12.3]):
+        stream.on_live(live(seq, ts=ts), now=1.0)
+    assert stream.health.peak_batches_per_s == 3
+
+
+# --- against a publisher with a bounded ring -----------------------------------------------------
+
+
+@given(lost=st.sets(st.integers(0, 58)), every=st.integers(1, 7), ring=st.integers(1, 60))
+def test_every_seq_is_applied_once_in_order_or_inside_exactly_one_confirmed_hole(lost, every, ring):
+    """Live loses any batches but the last; the ring (last ``ring`` batches) answers on every
+    ``every``-th step. A ring that holds everything gives everything back."""
+    stream, published, out, requests = WorkerStream(WORKER, replay=True), [], [], []
+
+    def act(actions):
+        out.extend(actions)
+        requests.extend(a for a in actions if isinstance(a, RequestReplay))
+
+    def serve(request):
+        in_ring = [s for s in published[-ring:] if s >= request.start_seq]
+        act(answer(stream, request.request_id, in_ring))
+
+    for seq in range(60):
+        published.append(seq)
+        if seq not in lost:
+            act(stream.on_live(live(seq), now=float(seq)))
+        if requests and seq % every == 0:
+            serve(requests.pop(0))
+    while requests:
+        serve(requests.pop(0))
+    accounted = [a.batch.seq if isinstance(a, Apply) else range(a.from_seq, a.to_seq + 1)
+                 for a in out if isinstance(a, (Apply, Hole))]
+    flat = [s for item in accounted for s in (item if isinstance(item, range) else [item])]
+    holes = [a for a in out if isinstance(a, Hole)]
+    assert flat == list(range(flat[0], 60))  # in order, once, nothing unaccounted after the start
+    assert flat[0] == 0 or applied(out)[0].run_start is RunStart.JOINED  # seq 0 gone from the ring
+    assert all(h.reason is HoleReason.MISSING for h in holes) and stream.quarantined == bool(holes)
+    if ring == 60:
+        assert flat == list(range(60)) and not holes
