@@ -4,7 +4,7 @@ File layout::
 
     b"KVMISS-REC\\x01\\n"                                  header (11 bytes)
     repeated:  u32 body_len | u32 crc32(body) | body      little-endian, body = msgpack
-               body = [recv_ts, worker, socket, [frame, ...]]
+               body = [recv_ts, worker, socket, [frame, ...], request_id]
 
 Crash safety: a writer killed mid-record leaves a torn tail (short length, short body or
 a CRC mismatch). `read_recording` stops at the first such record, reports it in
@@ -28,12 +28,14 @@ _HEADER = struct.Struct("<II")
 
 
 class RecordedMessage(msgspec.Struct, array_like=True, frozen=True):
-    """One message as a socket delivered it. ``socket`` is "sub" or "dealer"."""
+    """One message as a socket delivered it. ``socket`` is "sub", "dealer" or "monitor"
+    (a connection fact); ``request_id`` names the replay request a dealer reply answers."""
 
     recv_ts: float
     worker: str
     socket: str
     frames: list[bytes]
+    request_id: int | None = None
 
 
 class RecordingError(ValueError):

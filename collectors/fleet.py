@@ -1,0 +1,102 @@
+"""A fleet of worker streams: routes received messages to each worker's state machine and
+hands the resulting actions to a sink. No sockets here: `collectors.subscriber` feeds it
+from ZeroMQ, `play_recording` feeds it from a recording file, deterministically.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from kvmiss.collectors.continuity import RequestReplay, StreamAction, StreamConfig
+from kvmiss.collectors.frames import parse_live, parse_replay
+from kvmiss.collectors.recording import ReadStats, RecordedMessage, read_recording
+from kvmiss.collectors.stream import WorkerStream
+from kvmiss.schemas.config import WorkerSpec
+
+log = logging.getLogger("kvmiss.collectors")
+
+SUB, DEALER, MONITOR = "sub", "dealer", "monitor"
+RECONNECTED = b"reconnected"  # the one monitor fact a stream needs
+
+
+Sink = Callable[[str, StreamAction], None]
+
+
+class Fleet:
+    """Every configured worker's `WorkerStream`, and where their actions go.
+
+    ``sink(worker_id, action)`` receives every action except `RequestReplay`, which is
+    returned to the caller (only the I/O layer can carry it out). Not thread-safe.
+    """
+
+    def __init__(self, specs: Iterable[WorkerSpec], sink: Sink, *,
+                 config: StreamConfig = StreamConfig()):
+        self.specs = {spec.id: spec for spec in specs}
+        self.sink = sink
+        self.streams = {
+            spec.id: WorkerStream(spec.id, replay=spec.replay_endpoint is not None,
+                                  topic_template=spec.topic_template, config=config)
+            for spec in self.specs.values()
+        }
+
+    def on_message(self, worker: str, socket: str, frames: list[bytes], now: float,
+                   request_id: int | None = None) -> list[RequestReplay]:
+        stream = self.streams[worker]
+        if socket == SUB:
+            actions = stream.on_live(parse_live(frames), now)
+        elif socket == DEALER:
+            actions = stream.on_replay(parse_replay(frames), request_id or 0, now)
+        elif socket == MONITOR and frames == [RECONNECTED]:
+            actions = stream.on_reconnect(now)
+        else:
+            return []
+        return self._dispatch(worker, actions)
+
+    def on_tick(self, now: float) -> list[tuple[str, RequestReplay]]:
+        """Run every due timer (replay time-outs and retries)."""
+        out = []
+        for worker, stream in self.streams.items():
+            deadline = stream.next_deadline
+            if deadline is not None and deadline <= now:
+                out += [(worker, r) for r in self._dispatch(worker, stream.on_tick(now))]
+        return out
+
+    def next_deadline(self) -> float | None:
+        deadlines = [d for s in self.streams.values() if (d := s.next_deadline) is not None]
+        return min(deadlines, default=None)
+
+    def _dispatch(self, worker: str, actions: list[StreamAction]) -> list[RequestReplay]:
+        replays = []
+        for action in actions:
+            if isinstance(action, RequestReplay):
+                replays.append(action)
+            else:
+                self.sink(worker, action)
+        return replays
+
+
+def play_recording(path: str, fleet: Fleet, stats: ReadStats | None = None) -> int:
+    """Feed a recording through ``fleet`` in file order; returns messages played.
+
+    Replies are given to the replay request the stream is waiting on (the recording holds
+    what came back; nothing is sent). Timers run on the recorded receive times, so the same
+    file always yields the same applied batches.
+    """
+    played = 0
+    for message in read_recording(path, stats):
+        _play_one(fleet, message)
+        played += 1
+    return played
+
+
+def _play_one(fleet: Fleet, message: RecordedMessage) -> None:
+    stream = fleet.streams.get(message.worker)
+    if stream is None:
+        return
+    fleet.on_tick(message.recv_ts)
+    request_id = None
+    if message.socket == DEALER:
+        recovery = stream.state.recovery
+        request_id = recovery.request_id if recovery is not None else -1
+    fleet.on_message(message.worker, message.socket, message.frames, message.recv_ts, request_id)

@@ -1,0 +1,192 @@
+"""The ZeroMQ edge of the collector: one thread, one poller, any number of workers.
+
+Per worker: a SUB socket (connect, or bind for publishers that connect out) with a monitor
+socket watching its connection, and while a replay is outstanding one DEALER opened for
+that request alone (the socket is the fence between requests: replies carry no id).
+ZeroMQ reconnects by itself with exponential backoff (``RECONNECT_IVL`` doubling up to
+``RECONNECT_IVL_MAX``); the monitor tells the stream when a connection came back, so it can
+verify the publisher's identity before trusting continuity.
+
+Everything the sockets deliver goes to the `Fleet` (state machines) and, if a recorder is
+given, to the recording first. Sink calls happen on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvmiss.collectors.continuity import RequestReplay
+from kvmiss.collectors.fleet import DEALER, MONITOR, RECONNECTED, SUB, Fleet
+from kvmiss.collectors.frames import encode_replay_request
+from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
+
+log = logging.getLogger("kvmiss.collectors")
+
+# Bounded draining keeps one busy worker from starving the others and the timers.
+MAX_MESSAGES_PER_SOCKET = 256
+POLL_INTERVAL_S = 0.05
+SUB_RCVHWM = 200_000  # above the publishers' default 100,000 send HWM
+
+
+class Subscriber:
+    """Runs the fleet's sockets. `start()` spawns the thread; `shutdown()` is idempotent."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        context: zmq.Context | None = None,
+        recorder: RecordingWriter | None = None,
+        clock: Callable[[], float] = time.time,
+        reconnect_ivl_ms: int = 100,
+        reconnect_ivl_max_ms: int = 5_000,
+    ):
+        self.fleet = fleet
+        self.recorder = recorder
+        self.clock = clock
+        self._ctx = context or zmq.Context.instance()
+        self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._poller = zmq.Poller()
+        self._roles: dict[zmq.Socket, tuple[str, str, int | None]] = {}
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._connected_once: set[str] = set()
+        self._disconnected: set[str] = set()
+        self.ready = threading.Event()  # set once every socket is connected or bound
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, name="kvmiss-collector", daemon=True)
+            self._thread.start()
+            self.ready.wait(10)
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def run(self) -> None:
+        """The event loop; returns after `shutdown()`. Sockets live and die on this thread."""
+        try:
+            self._open()
+            self.ready.set()
+            while not self._stop.is_set():
+                self._poll_once()
+        finally:
+            self._close()
+
+    # --- sockets ---------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        ivl, ivl_max = self._reconnect
+        for spec in self.fleet.specs.values():
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
+            sub.setsockopt(zmq.RECONNECT_IVL, ivl)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, ivl_max)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+            monitor = sub.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            if spec.bind:
+                sub.bind(spec.sub_endpoint())
+            else:
+                sub.connect(spec.sub_endpoint())
+            self._register(sub, SUB, spec.id)
+            self._register(monitor, MONITOR, spec.id)
+
+    def _register(self, sock: zmq.Socket, role: str, worker: str, request_id: int | None = None) -> None:
+        self._roles[sock] = (role, worker, request_id)
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _unregister(self, sock: zmq.Socket) -> None:
+        self._roles.pop(sock, None)
+        self._poller.unregister(sock)
+        sock.close(linger=0)
+
+    def _close(self) -> None:
+        for sock in list(self._roles):
+            role, _, _ = self._roles[sock]
+            if role == SUB:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            self._unregister(sock)
+        self._dealers.clear()
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def _poll_once(self) -> None:
+        deadline = self.fleet.next_deadline()
+        timeout = POLL_INTERVAL_S
+        if deadline is not None:
+            timeout = max(0.0, min(timeout, deadline - self.clock()))
+        ready = dict(self._poller.poll(timeout * 1000))
+        # Connection facts first: a reconnect must reach the stream before the new
+        # connection's first batch does.
+        for sock in sorted(ready, key=lambda s: self._roles.get(s, ("",))[0] != MONITOR):
+            if sock in self._roles:
+                self._drain(sock)
+        for worker, replay in self.fleet.on_tick(self.clock()):
+            self._send_replay(worker, replay)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        role, worker, request_id = self._roles[sock]
+        for _ in range(MAX_MESSAGES_PER_SOCKET):
+            try:
+                if role == MONITOR:
+                    frames = self._monitor_fact(worker, recv_monitor_message(sock, zmq.NOBLOCK))
+                    if frames is None:
+                        continue
+                else:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = self.clock()
+            if self.recorder is not None:
+                self.recorder.write(RecordedMessage(now, worker, role, frames, request_id))
+            for replay in self.fleet.on_message(worker, role, frames, now, request_id):
+                self._send_replay(worker, replay)
+            if sock not in self._roles:  # a replay request replaced this dealer
+                return
+
+    def _monitor_fact(self, worker: str, event: dict) -> list[bytes] | None:
+        kind = event["event"]
+        if kind == zmq.EVENT_DISCONNECTED:
+            self._disconnected.add(worker)
+            log.info("worker %s: publisher disconnected", worker)
+            return None
+        if kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            first = worker not in self._connected_once
+            self._connected_once.add(worker)
+            if not first and worker in self._disconnected:
+                self._disconnected.discard(worker)
+                log.info("worker %s: publisher reconnected", worker)
+                return [RECONNECTED]
+        return None
+
+    def _send_replay(self, worker: str, replay: RequestReplay) -> None:
+        old = self._dealers.pop(worker, None)
+        if old is not None:
+            self._unregister(old)
+        address = self.fleet.specs[worker].replay_address()
+        if address is None:
+            return
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        dealer.send_multipart(encode_replay_request(replay.start_seq))
+        self._dealers[worker] = dealer
+        self._register(dealer, DEALER, worker, replay.request_id)

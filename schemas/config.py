@@ -1,0 +1,167 @@
+"""The kvmiss configuration file (TOML): one Struct tree, validated once at start-up.
+
+Unknown keys and wrong types fail with the exact path (``workers[1].dp_rank: Expected
+`int`, got `str```). Secrets never appear in errors or reprs. See
+examples/kvmiss.toml for a commented example.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from kvmiss.schemas.span_attributes import InputNames
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine event stream: (endpoint, dp_rank), with a stable id from the config.
+
+    ``endpoint`` / ``replay_endpoint`` are given as the engine was configured; like vLLM and
+    SGLang, the port is offset by ``dp_rank`` (``offset_by_rank``) so a config can be copied
+    from the engine's. ``bind``: the publisher connects out, so kvmiss binds the SUB.
+    """
+
+    id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    dp_rank: int = 0
+    topic: str = ""  # SUB prefix filter
+    topic_template: str | None = None  # e.g. "kv@{instance}@{model}"
+    bind: bool = False
+    offset_by_rank: bool = True
+
+    def sub_endpoint(self) -> str:
+        return offset_endpoint(self.endpoint, self.dp_rank) if self.offset_by_rank else self.endpoint
+
+    def replay_address(self) -> str | None:
+        if self.replay_endpoint is None:
+            return None
+        if not self.offset_by_rank:
+            return self.replay_endpoint
+        return offset_endpoint(self.replay_endpoint, self.dp_rank)
+
+
+_TCP_PORT = re.compile(r"^(?P<head>tcp://.*:)(?P<port>\d+)$")
+
+
+def offset_endpoint(endpoint: str, dp_rank: int) -> str:
+    """The engines' data-parallel rule: tcp port + rank (port 0 unchanged), inproc gets
+    a ``_dp<rank>`` suffix, other transports unchanged."""
+    if not dp_rank:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{dp_rank}"
+    match = _TCP_PORT.match(endpoint)
+    if match is None or match["port"] == "0":
+        return endpoint
+    return f"{match['head']}{int(match['port']) + dp_rank}"
+
+
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class OtlpConfig(_Section):
+    grpc: str | None = "127.0.0.1:4317"  # OTLP/gRPC listen address; None/"" disables it
+    http: str | None = "127.0.0.1:4318"  # OTLP/HTTP listen address
+    max_body_bytes: int = 20 * 1024 * 1024  # after decompression
+    max_pending_spans: int = 200_000  # beyond it: UNAVAILABLE / 503 with a retry delay
+
+
+class ExportConfig(_Section):
+    endpoint: str | None = None  # http(s)://host:port (OTLP/HTTP) or grpc://host:port
+    file: str | None = None  # also write enriched spans as OTLP/JSON lines
+    keep_block_hashes: bool = False
+    timeout_s: float = 10.0
+
+
+class EngineConfig(_Section):
+    hash_algo: HashAlgo = "sha256"
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED; None: the engine default
+    block_size: int = 16
+    extra_keys_format: Literal["tagged", "untagged"] = "tagged"
+
+
+class PrivacyConfig(_Section):
+    digest_key: str | None = None
+    digest_key_env: str | None = None
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"PrivacyConfig(digest_key={'<set>' if self.digest_key else None}, digest_key_env={self.digest_key_env!r})"
+
+
+class MetricsConfig(_Section):
+    listen: str | None = "127.0.0.1:9464"  # /metrics, /healthz, /readyz
+    unknown_budget: float = 0.05  # the share of misses allowed to be unknown_*
+
+
+class HistoryConfig(_Section):
+    retention_s: float = 600.0  # exact records of closed residency intervals
+    wait_s: float = 5.0  # how long a request waits for its worker's events to catch up
+    assemble_wait_s: float = 10.0  # how long spans of one request are awaited
+    aged_out_as_recent_match: bool = False
+
+
+class Config(_Section):
+    otlp: OtlpConfig = msgspec.field(default_factory=OtlpConfig)
+    export: ExportConfig = msgspec.field(default_factory=ExportConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    workers: list[WorkerSpec] = msgspec.field(default_factory=list)
+    privacy: PrivacyConfig = msgspec.field(default_factory=PrivacyConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    history: HistoryConfig = msgspec.field(default_factory=HistoryConfig)
+    attributes: InputNames = msgspec.field(default_factory=InputNames)
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the key."""
+
+
+def _path_text(msg: str) -> str:
+    # msgspec says "- at `$.workers[1].dp_rank`"; users think in TOML keys.
+    return msg.replace("`$.", "`").replace("- at ", "at ")
+
+
+def parse_config(text: str, *, source: str = "<config>") -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_path_text(str(exc))}") from None
+    _check(config, source)
+    return config
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_config(text, source=str(path))
+
+
+def _check(config: Config, source: str) -> None:
+    ids = [w.id for w in config.workers]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ConfigError(f"{source}: workers: duplicate id {duplicates[0]!r}")
+    addresses = [(w.sub_endpoint(), w.topic) for w in config.workers]
+    if len(set(addresses)) != len(addresses):
+        raise ConfigError(f"{source}: workers: two workers subscribe to the same endpoint and rank")
+    if config.engine.block_size <= 0:
+        raise ConfigError(f"{source}: engine.block_size must be positive")
+    if config.history.retention_s <= 0 or config.history.wait_s < 0:
+        raise ConfigError(f"{source}: history.retention_s must be > 0 and wait_s >= 0")
+    if config.privacy.digest_key and config.privacy.digest_key_env:
+        raise ConfigError(f"{source}: privacy: set digest_key or digest_key_env, not both")

@@ -1,0 +1,59 @@
+"""The configuration file: every key validated at start-up, errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvmiss.schemas.config import ConfigError, WorkerSpec, load_config, offset_endpoint, parse_config
+from shared_data import load_json
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvmiss.toml"
+
+
+def test_the_commented_example_loads():
+    config = load_config(EXAMPLE)
+    assert config.otlp.grpc == "127.0.0.1:4317" and config.otlp.http == "127.0.0.1:4318"
+    assert config.export.endpoint == "http://127.0.0.1:4319"
+    assert (config.engine.hash_algo, config.engine.hash_seed, config.engine.block_size) == ("sha256_cbor", "0", 16)
+    (worker,) = config.workers
+    assert (worker.id, worker.endpoint, worker.replay_endpoint, worker.dp_rank) == (
+        "w0", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", 0)
+    assert config.metrics.listen == "127.0.0.1:9464"
+    assert config.privacy.digest_key_env == "KVMISS_DIGEST_KEY"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[otlp]\ngrcp = '1'\n", "unknown field `grcp`"),
+    ("[[workers]]\nid='a'\nendpoint='tcp://h:1'\ndp_rank='1'\n", "workers[0].dp_rank"),
+    ("[engine]\nhash_algo='md5'\n", "engine.hash_algo"),
+    ("[bogus]\n", "unknown field `bogus`"),
+    ("[[workers]]\nid='a'\nendpoint='tcp://h:1'\n[[workers]]\nid='a'\nendpoint='tcp://h:2'\n",
+     "duplicate id 'a'"),
+    ("[engine]\nblock_size = 0\n", "engine.block_size"),
+    ("not toml = = 1", "not valid TOML"),
+    ("[attributes]\nworkr = ['x']\n", "unknown field `workr`"),
+])
+def test_a_bad_key_is_named(text, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="k.toml")
+    assert fragment in str(info.value) and str(info.value).startswith("k.toml")
+
+
+def test_a_secret_never_shows_in_errors_or_reprs():
+    text = "[privacy]\ndigest_key = 'hunter2-hunter2-hunter2'\ndigest_key_env = 'X'\n"
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert "hunter2" not in str(info.value)
+    config = parse_config("[privacy]\ndigest_key = 'hunter2-hunter2-hunter2'\n")
+    assert "hunter2" not in repr(config)
+
+
+def test_ports_are_offset_by_rank_like_the_engines_do():
+    for case in load_json("vllm-0.33.0-event-frames.json")["offset_endpoint_port_examples"]:
+        if case["endpoint"] is not None:
+            assert offset_endpoint(case["endpoint"], case["data_parallel_rank"]) == case["result"]
+    spec = WorkerSpec(id="a", endpoint="tcp://h:5557", replay_endpoint="tcp://h:6000", dp_rank=2)
+    assert (spec.sub_endpoint(), spec.replay_address()) == ("tcp://h:5559", "tcp://h:6002")
+    assert WorkerSpec(id="a", endpoint="tcp://h:5557", dp_rank=2, offset_by_rank=False).sub_endpoint() == "tcp://h:5557"
