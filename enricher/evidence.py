@@ -52,19 +52,19 @@ def _choose_view(views: list[EpochView], facts: RequestFacts, t: float) -> Epoch
             return matching[0]
         if any(v.instance is not None for v in views):
             return None  # the request names an instance the index does not hold
-    current = views[0]
-    if current.first_ts is not None and current.first_ts <= t:
-        return current
-    previous = views[1] if len(views) > 1 else None
-    if previous is not None:
-        through = previous.applied_through_ts
-        if through is not None and t <= through:
-            return previous
-        return None  # between two processes: which one served it is not established
-    # No earlier process seen: the lookup precedes this epoch's first batch, which only
-    # belongs to this epoch if the epoch's history starts at its seq 0.
-    if current.runs and current.runs[0].start is RunStart.EPOCH_START:
-        return current
+    for newest, view in enumerate(views):  # newest first
+        if view.first_ts is not None and view.first_ts <= t:
+            if newest == 0:
+                return view
+            # An older lifetime serves t only if its history reaches past t; between two
+            # lifetimes, which one served the lookup is not established.
+            through = view.applied_through_ts
+            return view if through is not None and t <= through else None
+    # t precedes every batch seen. With no earlier lifetime seen, it belongs to this one
+    # only if this epoch's history starts at its seq 0.
+    only = views[0]
+    if len(views) == 1 and only.runs and only.runs[0].start is RunStart.EPOCH_START:
+        return only
     return None
 
 

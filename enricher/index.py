@@ -297,28 +297,34 @@ class ResidencyIndex:
     """All tracked workers' epoch views. ``retention_s`` bounds closed records by engine
     time; `prune(now_engine_ts)` applies it (call it periodically, not per batch)."""
 
-    def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0):
+    def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0,
+                 keep_previous_epochs: int = 1):
         self.retention_s = retention_s
+        self.keep_previous_epochs = keep_previous_epochs
         self.current: dict[str, EpochView] = {}
-        self.previous: dict[str, EpochView] = {}
+        self.previous: dict[str, collections.deque[EpochView]] = {}
         self.tracked: set[str] = set(workers)
 
     def apply(self, batch: AppliedBatch) -> None:
         view = self.current.get(batch.worker)
         if view is None or view.epoch != batch.epoch:
-            if view is not None:
-                self.previous[batch.worker] = view  # read-only from now on
+            if view is not None and self.keep_previous_epochs > 0:
+                older = self.previous.setdefault(
+                    batch.worker, collections.deque(maxlen=self.keep_previous_epochs))
+                older.appendleft(view)  # read-only from now on
             view = self.current[batch.worker] = EpochView(batch.worker, batch.epoch, batch.instance)
             self.tracked.add(batch.worker)
         view.apply(batch)
 
     def prune(self, now_ts: float) -> int:
         horizon = now_ts - self.retention_s
-        return sum(v.prune(horizon) for views in (self.current, self.previous) for v in views.values())
+        views = [*self.current.values(), *(v for older in self.previous.values() for v in older)]
+        return sum(v.prune(horizon) for v in views)
 
     def views(self, worker: str) -> list[EpochView]:
         """The worker's epoch views, newest first."""
-        return [v for v in (self.current.get(worker), self.previous.get(worker)) if v is not None]
+        current = self.current.get(worker)
+        return ([current] if current is not None else []) + list(self.previous.get(worker, ()))
 
     def workers(self) -> list[str]:
         return sorted(self.tracked)

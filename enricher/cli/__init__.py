@@ -11,6 +11,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
     "decode": ("decode_cmd", "decode captured KV-event frames (JSON lines in/out)"),
+    "hash": ("hash_cmd", "compute vLLM-compatible block hashes for one request (JSON in/out)"),
+    "attribute": ("attribute_cmd", "offline attribution: a KV-event recording + request records"),
     "replay-size": ("replay_size_cmd", "minimum replay window (batches) for a peak rate and outage"),
 }
 

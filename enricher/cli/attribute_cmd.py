@@ -1,0 +1,59 @@
+"""`kvmiss attribute --events REC --requests REQ.jsonl`: offline attribution.
+
+Writes one attribution record (schemas/attribution.py `AttributionRecord`) per request as a
+JSON line on stdout (or ``--out``), and the summary table by label and owner on stderr.
+Workers come from ``--config`` or, without it, from the recording itself. The digest key
+comes from the config's [privacy] section or ``--digest-key-env``; without one, records
+carry no first-miss digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvmiss.collectors.recording import ReadStats, RecordingError
+from kvmiss.enricher.offline import attribute_requests, index_from_recording, read_requests, workers_in_recording
+from kvmiss.enricher.privacy import DigestKeyError, load_digest_key
+from kvmiss.schemas.config import ConfigError, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--events", required=True, help="a recording made by `kvmiss collect --record`")
+    parser.add_argument("--requests", required=True, help="request records, JSON lines ('-' for stdin)")
+    parser.add_argument("--config", help="kvmiss.toml: workers and the privacy key")
+    parser.add_argument("--digest-key-env", help="environment variable holding the digest secret")
+    parser.add_argument("--out", help="write records here instead of stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config) if args.config else None
+        workers = config.workers if config else workers_in_recording(args.events)
+        key = None
+        if args.digest_key_env:
+            key = load_digest_key(None, args.digest_key_env)
+        elif config and (config.privacy.digest_key or config.privacy.digest_key_env):
+            key = load_digest_key(config.privacy.digest_key, config.privacy.digest_key_env)
+        stats = ReadStats()
+        index = index_from_recording(args.events, workers, stats=stats)
+    except (ConfigError, DigestKeyError, RecordingError, OSError) as exc:
+        print(f"kvmiss attribute: {exc}", file=sys.stderr)
+        return 2
+    if stats.torn_tail:
+        print(f"kvmiss attribute: {args.events}: torn last record skipped "
+              f"({stats.records} records read)", file=sys.stderr)
+    requests_in = sys.stdin.buffer if args.requests == "-" else open(args.requests, "rb")
+    out = open(args.out, "wb") if args.out else sys.stdout.buffer
+    try:
+        summary = attribute_requests(index, read_requests(requests_in), out, digest_key=key,
+                                     errors=sys.stderr)
+    finally:
+        if requests_in is not sys.stdin.buffer:
+            requests_in.close()
+        if out is not sys.stdout.buffer:
+            out.close()
+        else:
+            out.flush()
+    print(summary.table(), file=sys.stderr)
+    return 0

@@ -1,0 +1,121 @@
+"""Offline attribution: a recording of KV events + request records -> attribution records.
+
+The same path as the live service, minus the sockets and spans: the recording is played
+through the per-worker state machines (collectors.fleet.play_recording), every applied
+batch goes into a residency index that keeps every epoch, and each request record
+(`RequestFacts` as one JSON object per line) is judged at its own lookup time.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import IO, Iterable, Iterator
+
+import msgspec
+
+from kvmiss.collectors.continuity import Apply
+from kvmiss.collectors.fleet import DEALER, Fleet, play_recording
+from kvmiss.collectors.recording import ReadStats, read_recording
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.privacy import DigestKey
+from kvmiss.schemas.attribution import LABEL_OWNER, AttributionRecord, Label, Owner, RequestFacts
+from kvmiss.schemas.config import WorkerSpec
+
+_request_decoder = msgspec.json.Decoder(RequestFacts)
+
+
+def workers_in_recording(path: str) -> list[WorkerSpec]:
+    """Worker specs inferred from a recording: every worker seen; replay where replies were
+    recorded (endpoints are not needed to play a recording back)."""
+    seen: dict[str, bool] = {}
+    for message in read_recording(path):
+        seen[message.worker] = seen.get(message.worker, False) or message.socket == DEALER
+    return [WorkerSpec(id=w, endpoint="recorded", replay_endpoint="recorded" if replay else None)
+            for w, replay in sorted(seen.items())]
+
+
+def index_from_recording(path: str, workers: Iterable[WorkerSpec], *,
+                         stats: ReadStats | None = None) -> ResidencyIndex:
+    """Play the recording into a fresh index that keeps every epoch (no retention)."""
+    workers = list(workers)
+    index = ResidencyIndex([w.id for w in workers], retention_s=float("inf"),
+                           keep_previous_epochs=1_000_000)
+
+    def sink(worker: str, action) -> None:
+        if isinstance(action, Apply):
+            index.apply(action.batch)
+
+    play_recording(path, Fleet(workers, sink), stats)
+    return index
+
+
+class BadRequestLine(msgspec.Struct):
+    line: int
+    error: str
+
+
+def read_requests(lines: Iterable[bytes]) -> Iterator[RequestFacts | BadRequestLine]:
+    """Request records, one JSON object per line; a bad line is reported, not fatal."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield _request_decoder.decode(line)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            yield BadRequestLine(number, str(exc))
+
+
+class Summary:
+    """Requests, misses and missed tokens by label and owner."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.by_label: collections.Counter[Label] = collections.Counter()
+        self.tokens_by_label: collections.Counter[Label] = collections.Counter()
+
+    def add(self, record: AttributionRecord) -> None:
+        self.requests += 1
+        self.by_label[record.verdict.label] += 1
+        self.tokens_by_label[record.verdict.label] += record.verdict.missed_tokens
+
+    @property
+    def misses(self) -> int:
+        return sum(n for label, n in self.by_label.items() if label not in (Label.HIT, Label.LOOKUP_LIMIT))
+
+    @property
+    def unknown_share(self) -> float:
+        unknown = self.by_label[Label.UNKNOWN_HISTORY] + self.by_label[Label.UNKNOWN_EPOCH]
+        return unknown / self.misses if self.misses else 0.0
+
+    def table(self) -> str:
+        rows = [f"{'label':<18}{'owner':<13}{'requests':>9}{'missed tokens':>15}"]
+        for label in Label:
+            if self.by_label[label]:
+                rows.append(f"{label.value:<18}{LABEL_OWNER[label].value:<13}"
+                            f"{self.by_label[label]:>9}{self.tokens_by_label[label]:>15}")
+        by_owner: collections.Counter[Owner] = collections.Counter()
+        for label, n in self.by_label.items():
+            by_owner[LABEL_OWNER[label]] += n
+        rows.append("")
+        rows.append("by owner: " + ", ".join(f"{o.value} {n}" for o, n in sorted(by_owner.items())))
+        rows.append(f"requests {self.requests}, misses {self.misses}, "
+                    f"unknown share of misses {self.unknown_share:.1%}")
+        return "\n".join(rows)
+
+
+def attribute_requests(index: ResidencyIndex, requests: Iterable[RequestFacts | BadRequestLine],
+                       out: IO[bytes], *, digest_key: DigestKey | None = None,
+                       errors: IO[str] | None = None) -> Summary:
+    attributor = Attributor(index, digest_key)
+    encoder = msgspec.json.Encoder()
+    summary = Summary()
+    for item in requests:
+        if isinstance(item, BadRequestLine):
+            if errors is not None:
+                print(f"kvmiss attribute: request line {item.line}: {item.error}", file=errors)
+            continue
+        record = attributor.record(item)
+        summary.add(record)
+        out.write(encoder.encode(record) + b"\n")
+    return summary
