@@ -1,0 +1,64 @@
+"""The OTLP side's small interfaces, in Collector vocabulary: receiver -> consumer -> exporter.
+
+A receiver (enricher/receiver.py) decodes ``ExportTraceServiceRequest`` bodies and hands
+them to a `TracesConsumer` (the enrichment pipeline); the pipeline hands finished requests
+to a `TracesExporter` (enricher/exporter.py). Outcomes are values: whether an error is
+retryable is decided once, here, and mapped to gRPC status / HTTP codes only in the
+receiver (UNAVAILABLE + RetryInfo / 503 + Retry-After for retryable; INVALID_ARGUMENT /
+400 for permanent).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import msgspec
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+
+class Outcome(enum.Enum):
+    ACCEPTED = "accepted"
+    RETRYABLE = "retryable"  # try again later (backpressure, downstream unavailable)
+    PERMANENT = "permanent"  # the data is bad: do not retry
+
+
+class ConsumeResult(msgspec.Struct, frozen=True):
+    """What a consumer did with one export request.
+
+    ACCEPTED may still reject some spans (``rejected_spans`` with ``message``: OTLP partial
+    success); RETRYABLE carries how long the sender should wait.
+    """
+
+    outcome: Outcome
+    rejected_spans: int = 0
+    message: str = ""
+    retry_after_s: float | None = None
+
+
+ACCEPTED = ConsumeResult(Outcome.ACCEPTED)
+
+
+class TracesConsumer(Protocol):
+    async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+        """Take ownership of ``request``. Must not block the event loop; returns fast."""
+        ...
+
+
+class ExportResult(msgspec.Struct, frozen=True):
+    outcome: Outcome
+    message: str = ""
+    retry_after_s: float | None = None
+
+
+class TracesExporter(Protocol):
+    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+        """Send one request downstream once (the caller retries RETRYABLE results)."""
+        ...
+
+    async def shutdown(self) -> None:
+        ...
+
+
+def span_count(request: ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
