@@ -1,0 +1,165 @@
+"""Assembling one request's facts from the spans that carry them.
+
+Spans of one request arrive in different export batches and at different times (the
+router span usually ends after the engine span; vLLM exports ``llm_request`` when the
+request finishes). Fragments are grouped by trace id and request id; fragments without a
+request id (a transfer span, a router that does not set one) join the trace's only named
+request, or stand alone when the trace has none or several.
+
+Pure: no clock, no I/O. The pipeline decides when to stop waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvmiss.enricher.hashing import BlockHasher, HashingError, LoraRef, MMItem, RequestExtras, external_hash
+from kvmiss.enricher.spans import SpanFacts
+from kvmiss.schemas.attribution import RequestFacts
+
+
+class LoraAttr(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    path: str | None = None
+
+
+class MMAttr(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    offset: int
+    length: int
+
+
+class ExtraKeysAttr(msgspec.Struct, forbid_unknown_fields=True):
+    """The JSON carried by ``kvmiss.extra_keys`` (opt-in, never exported): the same fields
+    as `kvmiss hash`'s input."""
+
+    lora: LoraAttr | None = None
+    cache_salt: str | None = None
+    mm: list[MMAttr] = []
+    prompt_embeds_block_digests: list[str] | None = None
+
+    def kinds(self) -> tuple[str, ...]:
+        present = (("lora", self.lora), ("mm", self.mm), ("cache_salt", self.cache_salt),
+                   ("prompt_embeds", self.prompt_embeds_block_digests))
+        return tuple(kind for kind, value in present if value)
+
+    def extras(self) -> RequestExtras:
+        return RequestExtras(
+            lora=LoraRef(self.lora.name, self.lora.path) if self.lora else None,
+            mm_items=tuple(MMItem(m.id, m.offset, m.length) for m in self.mm),
+            cache_salt=self.cache_salt,
+            prompt_embeds_digests=(
+                tuple(bytes.fromhex(d) for d in self.prompt_embeds_block_digests)
+                if self.prompt_embeds_block_digests else None),
+        )
+
+
+_extra_keys_decoder = msgspec.json.Decoder(ExtraKeysAttr)
+
+
+class Fragment(msgspec.Struct):
+    """One span's facts, and where to write the verdict if this span is chosen."""
+
+    facts: SpanFacts
+    span: Any  # the protobuf Span (owned by a pending export batch)
+    batch: Any  # the pending batch holding it
+    instance: str | None = None
+
+
+class Assembly:
+    """Every fragment seen so far for one (trace, request)."""
+
+    __slots__ = ("trace_id", "request_id", "fragments", "first_seen", "done")
+
+    def __init__(self, trace_id: bytes, request_id: str | None, now: float):
+        self.trace_id = trace_id
+        self.request_id = request_id
+        self.fragments: list[Fragment] = []
+        self.first_seen = now
+        self.done = False
+
+    def merged(self) -> SpanFacts:
+        """Field by field, the first fragment that has a value wins; an explicit lookup
+        time beats one derived from queue time."""
+        out = SpanFacts()
+        for fragment in self.fragments:
+            for field in fragment.facts.__struct_fields__:
+                value = getattr(fragment.facts, field)
+                if value is not None and getattr(out, field) is None and field != "transfer":
+                    setattr(out, field, value)
+        if out.instance is None:
+            out.instance = next((f.instance for f in self.fragments if f.instance), None)
+        return out
+
+    def transfers(self) -> tuple:
+        return tuple(f.facts.transfer for f in self.fragments if f.facts.transfer is not None)
+
+    def outcome_fragment(self) -> Fragment:
+        """The span that carries the request's cache outcome gets the verdict: the one with
+        cached tokens, else the one with prompt tokens, else the first."""
+        for wanted in ("cached_tokens", "prompt_tokens"):
+            for fragment in self.fragments:
+                if getattr(fragment.facts, wanted) is not None:
+                    return fragment
+        return self.fragments[0]
+
+
+class MissingFacts(msgspec.Struct, frozen=True):
+    """Why an assembly cannot be judged yet (or ever): the names of the missing facts."""
+
+    missing: tuple[str, ...]
+
+
+def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_block_size: int,
+                     errors: list[str]) -> RequestFacts | MissingFacts:
+    """The `RequestFacts` of an assembly, or what is still missing. Problems that make a
+    fact unusable (bad extra-key JSON, unhashable tokens) are appended to ``errors`` by
+    name only: they may concern prompt material."""
+    m = assembly.merged()
+    missing = tuple(name for name, value in (
+        ("prompt_tokens", m.prompt_tokens), ("cached_tokens", m.cached_tokens),
+    ) if value is None)
+    if missing:
+        return MissingFacts(missing)
+    block_size = m.block_size or default_block_size
+    kinds = tuple(m.extra_key_kinds or ())
+    chain = m.block_hashes
+    if chain is None and m.token_ids is not None and hasher is not None:
+        chain, extra_kinds = _hash_tokens(m, hasher, errors)
+        kinds = kinds or extra_kinds
+    lookup_time = m.lookup_time if m.lookup_time is not None else m.queue_lookup_time
+    return RequestFacts(
+        request_id=assembly.request_id or m.request_id,
+        prompt_tokens=m.prompt_tokens,  # type: ignore[arg-type]
+        cached_tokens=m.cached_tokens,  # type: ignore[arg-type]
+        block_size=block_size,
+        worker=m.worker,
+        dp_rank=m.dp_rank,
+        lookup_time=lookup_time,
+        block_hashes=chain,
+        extra_key_kinds=kinds,
+        transfers=assembly.transfers(),
+        instance_hint=m.instance,
+        route_policy=m.route_policy,
+        predicted_cached_tokens=m.predicted_cached_tokens,
+    )
+
+
+def _hash_tokens(m: SpanFacts, hasher: BlockHasher, errors: list[str]) -> tuple[list[int] | None, tuple[str, ...]]:
+    extras = None
+    kinds: tuple[str, ...] = ()
+    if m.extra_keys is not None:
+        try:
+            parsed = _extra_keys_decoder.decode(m.extra_keys)
+            extras, kinds = parsed.extras(), parsed.kinds()
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError):
+            errors.append("kvmiss.extra_keys")
+            return None, ()
+    try:
+        digests = hasher.hash_request(m.token_ids, extras)  # type: ignore[arg-type]
+    except (HashingError, ValueError):
+        errors.append("kvmiss.token_ids")
+        return None, kinds
+    return [external_hash(d) for d in digests], kinds

@@ -1,0 +1,240 @@
+"""The enrichment pipeline: OTLP requests in, verdicts joined onto spans, OTLP requests out.
+
+    receiver -> Pipeline.consume(request) -> [assemble by trace/request, bounded wait]
+             -> [wait, bounded, until the chosen worker's history passes the lookup time]
+             -> Attributor -> verdict attributes upserted on the outcome span
+             -> the whole export request, raw inputs stripped -> exporter
+
+Every received span is exported exactly once, enriched or not: an export request is held
+until every request whose outcome span it carries has been judged (or given up on, with
+the honest unknown), then forwarded whole. Requests are judged in `poll(now)`, which the
+service calls periodically on the event loop thread (the index's only thread).
+
+Backpressure: when held + queued spans would exceed ``max_pending_spans``, `consume`
+answers RETRYABLE with a retry delay instead of buffering without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Callable, Protocol
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from kvmiss.enricher.assembly import Assembly, Fragment, MissingFacts, to_request_facts
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.hashing import BlockHasher
+from kvmiss.enricher.spans import SpanReader, strip_raw_inputs, upsert_attributes, verdict_attributes
+from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
+from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
+
+log = logging.getLogger("kvmiss.pipeline")
+
+
+class ExportSink(Protocol):
+    def has_capacity(self, spans: int) -> bool: ...
+    def put(self, request: ExportTraceServiceRequest) -> bool: ...
+
+
+class PendingBatch:
+    """One received export request, held until its outcome spans are judged."""
+
+    __slots__ = ("request", "spans", "waiting")
+
+    def __init__(self, request: ExportTraceServiceRequest, spans: int):
+        self.request = request
+        self.spans = spans
+        self.waiting = 0
+
+
+class PipelineStats:
+    """Counters read at scrape time (names follow SPANS.md's metric list)."""
+
+    def __init__(self) -> None:
+        self.spans_in = 0
+        self.spans_out = 0
+        self.spans_refused = 0  # answered RETRYABLE (the sender keeps them)
+        self.unenriched: collections.Counter[str] = collections.Counter()  # by reason
+        self.bad_attributes: collections.Counter[str] = collections.Counter()  # by attribute name
+        self.verdicts: collections.Counter[tuple[Label, str, str]] = collections.Counter()
+        self.missed_tokens: collections.Counter[tuple[Label, str, str]] = collections.Counter()
+        self.history_wait_s: list[float] = []  # drained by the metrics collector
+
+
+class Pipeline:
+    """See the module docstring. Not thread-safe: the event loop thread owns it."""
+
+    def __init__(
+        self,
+        attributor: Attributor,
+        sink: ExportSink,
+        *,
+        reader: SpanReader | None = None,
+        hasher: BlockHasher | None = None,
+        default_block_size: int = 16,
+        assemble_wait_s: float = 10.0,
+        history_wait_s: float = 5.0,
+        max_pending_spans: int = 200_000,
+        keep_block_hashes: bool = False,
+        on_verdict: Callable[[RequestFacts, Verdict, bytes], None] | None = None,
+        clock: Callable[[], float],
+    ):
+        self.attributor = attributor
+        self.sink = sink
+        self.reader = reader or SpanReader()
+        self.hasher = hasher
+        self.default_block_size = default_block_size
+        self.assemble_wait_s = assemble_wait_s
+        self.history_wait_s = history_wait_s
+        self.max_pending_spans = max_pending_spans
+        self.keep_block_hashes = keep_block_hashes
+        self.on_verdict = on_verdict
+        self.clock = clock
+        self.stats = PipelineStats()
+        self.pending_spans = 0
+        self._traces: dict[bytes, dict[str | None, Assembly]] = {}
+        self._open: collections.deque[Assembly] = collections.deque()  # in arrival order
+        self._ready: list[tuple[Assembly, RequestFacts, float]] = []  # waiting for history
+
+    # --- intake ------------------------------------------------------------------------------
+
+    async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+        spans = span_count(request)
+        if self.pending_spans + spans > self.max_pending_spans or not self.sink.has_capacity(spans):
+            self.stats.spans_refused += spans
+            return ConsumeResult(Outcome.RETRYABLE, message="kvmiss pending buffer is full",
+                                 retry_after_s=1.0)
+        self.stats.spans_in += spans
+        batch = PendingBatch(request, spans)
+        now = self.clock()
+        for resource_spans in request.resource_spans:
+            instance = self.reader.instance_of(resource_spans.resource.attributes)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    self._take(span, batch, instance, now)
+        self.pending_spans += spans
+        if batch.waiting == 0:
+            self._release(batch)
+        return ACCEPTED
+
+    def _take(self, span: Any, batch: PendingBatch, instance: str | None, now: float) -> None:
+        bad: list[str] = []
+        facts = self.reader.read(span, bad)
+        for name in bad:
+            self.stats.bad_attributes[name] += 1
+        if facts is None:
+            return
+        trace = self._traces.setdefault(span.trace_id, {})
+        assembly = trace.get(facts.request_id)
+        if assembly is None or assembly.done:
+            assembly = trace[facts.request_id] = Assembly(span.trace_id, facts.request_id, now)
+            self._open.append(assembly)
+        assembly.fragments.append(Fragment(facts, span, batch, instance))
+        batch.waiting += 1
+
+    # --- judging -----------------------------------------------------------------------------
+
+    def poll(self, now: float | None = None, *, final: bool = False) -> int:
+        """Judge what can be judged; returns how many requests were. ``final``: stop waiting
+        (shutdown) and judge everything with the evidence there is."""
+        now = self.clock() if now is None else now
+        judged = 0
+        still_open: collections.deque[Assembly] = collections.deque()
+        while self._open:
+            assembly = self._open.popleft()
+            if assembly.done:
+                continue
+            outcome = self._assess(assembly, now, final)
+            if outcome is None:
+                still_open.append(assembly)
+            else:
+                judged += outcome
+        self._open = still_open
+        waiting = []
+        for assembly, facts, since in self._ready:
+            if final or self._history_reached(facts) or now - since >= self.history_wait_s:
+                self._judge(assembly, facts, waited=now - since)
+                judged += 1
+            else:
+                waiting.append((assembly, facts, since))
+        self._ready = waiting
+        return judged
+
+    def _assess(self, assembly: Assembly, now: float, final: bool) -> int | None:
+        """Move an assembly on: None while it waits for more spans, else requests judged."""
+        trace = self._traces.get(assembly.trace_id, {})
+        named = [a for key, a in trace.items() if key is not None and not a.done]
+        if assembly.request_id is None and len(named) == 1 and named[0] is not assembly:
+            named[0].fragments.extend(assembly.fragments)  # the trace's only request
+            assembly.done = True
+            return 0
+        errors: list[str] = []
+        facts = to_request_facts(assembly, hasher=self.hasher,
+                                 default_block_size=self.default_block_size, errors=errors)
+        for name in errors:
+            self.stats.bad_attributes[name] += 1
+        expired = final or now - assembly.first_seen >= self.assemble_wait_s
+        if isinstance(facts, MissingFacts):
+            if not expired:
+                return None
+            self._give_up(assembly, facts)
+            return 0
+        if facts.worker is not None and facts.lookup_time is not None and not self._history_reached(facts):
+            if not final:
+                self._ready.append((assembly, facts, now))
+                assembly.done = True  # no longer open for assembly
+                return 0
+        self._judge(assembly, facts, waited=0.0)
+        return 1
+
+    def _history_reached(self, facts: RequestFacts) -> bool:
+        views = self.attributor.index.views(facts.worker) if facts.worker else []
+        through = views[0].applied_through_ts if views else None
+        return through is not None and facts.lookup_time is not None and through >= facts.lookup_time
+
+    def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
+        verdict = self.attributor.attribute(facts)
+        outcome = assembly.outcome_fragment()
+        upsert_attributes(outcome.span, verdict_attributes(verdict, facts.lookup_time))
+        key = (verdict.label, facts.route_policy or "", facts.worker or "")
+        self.stats.verdicts[key] += 1
+        self.stats.missed_tokens[key] += verdict.missed_tokens
+        self.stats.history_wait_s.append(waited)
+        if self.on_verdict is not None:
+            self.on_verdict(facts, verdict, assembly.trace_id)
+        self._finish(assembly)
+
+    def _give_up(self, assembly: Assembly, missing: MissingFacts) -> None:
+        """Facts never completed: the outcome span still goes out, labelled with the honest
+        unknown and what was missing."""
+        verdict = Verdict(label=Label.UNKNOWN_HISTORY, owner=LABEL_OWNER[Label.UNKNOWN_HISTORY],
+                          reason=f"request facts incomplete: no {', '.join(missing.missing)} on its spans")
+        upsert_attributes(assembly.outcome_fragment().span, verdict_attributes(verdict))
+        self.stats.unenriched["facts_incomplete"] += 1
+        self._finish(assembly)
+
+    def _finish(self, assembly: Assembly) -> None:
+        assembly.done = True
+        trace = self._traces.get(assembly.trace_id)
+        if trace is not None and trace.get(assembly.request_id) is assembly:
+            del trace[assembly.request_id]
+            if not trace:
+                del self._traces[assembly.trace_id]
+        for fragment in assembly.fragments:
+            fragment.batch.waiting -= 1
+            if fragment.batch.waiting == 0:
+                self._release(fragment.batch)
+
+    def _release(self, batch: PendingBatch) -> None:
+        for resource_spans in batch.request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    strip_raw_inputs(span, keep_block_hashes=self.keep_block_hashes)
+        self.pending_spans -= batch.spans
+        if self.sink.put(batch.request):
+            self.stats.spans_out += batch.spans
+        else:
+            self.stats.unenriched["export_refused"] += batch.spans
+            log.warning("export queue refused %d spans", batch.spans)
+

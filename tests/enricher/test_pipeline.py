@@ -1,0 +1,208 @@
+"""The enrichment pipeline: join spans of one request, wait for history, judge, export once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fleet_builders import H, WorkerFeed, removed, stored
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.hashing import BlockHasher
+from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.otlp import Outcome
+from kvmiss.enricher.pipeline import Pipeline
+
+TRACE = bytes(range(16))
+
+
+class Sink:
+    def __init__(self, capacity: int = 10**9):
+        self.requests: list[ExportTraceServiceRequest] = []
+        self.capacity = capacity
+
+    def has_capacity(self, spans: int) -> bool:
+        return spans <= self.capacity
+
+    def put(self, request) -> bool:
+        self.requests.append(request)
+        return True
+
+    def spans(self) -> list:
+        return [s for r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+class Clock:
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def export_request(*spans: dict, instance: str | None = None) -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    if instance:
+        kv = rs.resource.attributes.add()
+        kv.key, kv.value.string_value = "service.instance.id", instance
+    ss = rs.scope_spans.add()
+    for i, spec in enumerate(spans):
+        span = ss.spans.add(trace_id=spec.pop("trace_id", TRACE), span_id=bytes([i + 1] * 8),
+                            name=spec.pop("name", "span"), start_time_unix_nano=spec.pop("start", 0))
+        for key, value in spec.items():
+            kv = span.attributes.add()
+            kv.key = key
+            if isinstance(value, list):
+                for item in value:
+                    kv.value.array_value.values.add().int_value = item
+            elif isinstance(value, str):
+                kv.value.string_value = value
+            else:
+                kv.value.int_value = value
+    return req
+
+
+def attrs(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        kind = kv.value.WhichOneof("value")
+        out[kv.key] = getattr(kv.value, kind) if kind != "array_value" else [
+            v.WhichOneof("value") and getattr(v, v.WhichOneof("value")) for v in kv.value.array_value.values]
+    return out
+
+
+def evicted_history():
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 30), {5: [stored(H)], 12: [removed(H)]}):
+        index.apply(b)
+    return index, a
+
+
+def router_span(**extra) -> dict:
+    return {"name": "router", "gen_ai.request.id": "r1", "gen_ai.usage.cache_read.input_tokens": 16,
+            "kvmiss.route.worker": "A", "kvmiss.block_hashes": [7, H - 2**64, 9],
+            "kvmiss.lookup_time_unix_nano": int(1020.5e9), **extra}
+
+
+def engine_span() -> dict:
+    return {"name": "llm_request", "gen_ai.request.id": "r1", "gen_ai.usage.prompt_tokens": 40}
+
+
+def make(index, clock, sink=None, **kw) -> tuple[Pipeline, Sink]:
+    sink = sink or Sink()
+    return Pipeline(Attributor(index), sink, clock=clock, **kw), sink
+
+
+def test_spans_of_one_request_in_two_batches_are_joined_and_exported_once():
+    index, _ = evicted_history()
+    clock = Clock()
+    pipe, sink = make(index, clock)
+    assert asyncio.run(pipe.consume(export_request(engine_span(), {"name": "db.query"}))).outcome is Outcome.ACCEPTED
+    assert sink.requests == []  # held: its request is not judged yet
+    asyncio.run(pipe.consume(export_request(router_span())))
+    assert pipe.poll() == 1
+    spans = sink.spans()
+    assert len(spans) == 3 and len(sink.requests) == 2
+    router = next(s for s in spans if s.name == "router")
+    a = attrs(router)
+    assert a["kvmiss.label"] == "evicted" and a["kvmiss.owner"] == "platform"
+    assert a["kvmiss.first_miss_block"] == 1 and a["kvmiss.missed_tokens"] == 16
+    assert "kvmiss.block_hashes" not in a
+    assert pipe.stats.spans_in == pipe.stats.spans_out == 3
+
+
+def test_spans_without_request_facts_pass_straight_through():
+    pipe, sink = make(ResidencyIndex(), Clock())
+    asyncio.run(pipe.consume(export_request({"name": "http", "http.method": "GET"})))
+    assert len(sink.spans()) == 1 and "kvmiss.label" not in attrs(sink.spans()[0])
+
+
+def test_a_request_waits_for_its_workers_history_then_is_judged():
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 10), {5: [stored(H)]}):
+        index.apply(b)
+    clock = Clock(50.0)
+    pipe, sink = make(index, clock, history_wait_s=5.0)
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span())))
+    assert pipe.poll() == 0 and sink.requests == []  # lookup at 1020.5, history at 1009
+    for b in a.batches(range(10, 25), {15: [removed(H)]}):
+        index.apply(b)
+    clock.t = 51.0
+    assert pipe.poll() == 1
+    assert attrs(sink.spans()[0])["kvmiss.label"] == "evicted"
+
+
+def test_history_that_never_catches_up_gives_lagging_unknown_history():
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 10)):
+        index.apply(b)
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, history_wait_s=2.0)
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span())))
+    pipe.poll()
+    clock.t = 2.5
+    pipe.poll()
+    a = attrs(sink.spans()[0])
+    assert a["kvmiss.label"] == "unknown_history" and a["kvmiss.history"] == "lagging"
+
+
+def test_facts_that_never_complete_still_leave_with_the_honest_unknown():
+    clock = Clock(0.0)
+    pipe, sink = make(ResidencyIndex(), clock, assemble_wait_s=3.0)
+    asyncio.run(pipe.consume(export_request(engine_span())))  # vLLM alone: no cached tokens
+    pipe.poll()
+    assert sink.requests == []
+    clock.t = 3.0
+    pipe.poll()
+    a = attrs(sink.spans()[0])
+    assert a["kvmiss.label"] == "unknown_history" and "cached_tokens" in a["kvmiss.reason"]
+
+
+def test_a_span_without_request_id_joins_the_traces_only_request():
+    index, _ = evicted_history()
+    pipe, sink = make(index, Clock())
+    transfer = {"name": "kv_transfer", "kvmiss.transfer.result": "failed", "kvmiss.transfer.source": "B"}
+    asyncio.run(pipe.consume(export_request(transfer)))
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span())))
+    pipe.poll()
+    pipe.poll()
+    labels = {s.name: attrs(s).get("kvmiss.label") for s in sink.spans()}
+    assert labels == {"kv_transfer": None, "router": "transfer_failure", "llm_request": None}
+
+
+def test_token_ids_are_hashed_like_the_engine_and_never_exported():
+    hasher = BlockHasher("sha256_cbor", seed="0", block_size=16)
+    tokens = list(range(1000, 1040))
+    chain = [int.from_bytes(d[-8:], "big") for d in hasher.hash_request(tokens)]
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 30), {5: [stored(chain[1])], 12: [removed(chain[1])]}):
+        index.apply(b)
+    pipe, sink = make(index, Clock(), hasher=hasher)
+    span = router_span(**{"kvmiss.token_ids": tokens, "kvmiss.extra_keys": json.dumps({"cache_salt": "tenant-secret"})})
+    del span["kvmiss.block_hashes"]
+    asyncio.run(pipe.consume(export_request(span, engine_span())))
+    pipe.poll()
+    out = sink.spans()[0]
+    a = attrs(out)
+    # The salt changes every hash, so the chain is not the unsalted one: never stored.
+    assert a["kvmiss.label"] == "no_match" and a["kvmiss.extra_key_kinds"] == ["cache_salt"]
+    raw = out.SerializeToString()
+    assert b"tenant-secret" not in raw and "kvmiss.token_ids" not in a and "kvmiss.extra_keys" not in a
+
+
+def test_a_full_pending_buffer_answers_retryable_and_keeps_nothing():
+    pipe, sink = make(ResidencyIndex(), Clock(), max_pending_spans=2)
+    result = asyncio.run(pipe.consume(export_request(engine_span(), engine_span(), engine_span())))
+    assert result.outcome is Outcome.RETRYABLE and result.retry_after_s > 0
+    assert pipe.pending_spans == 0 and pipe.stats.spans_refused == 3
+
+
+def test_shutdown_judges_everything_still_held():
+    pipe, sink = make(ResidencyIndex(["A"]), Clock(), assemble_wait_s=100, history_wait_s=100)
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span())))
+    asyncio.run(pipe.consume(export_request({"gen_ai.request.id": "r2", "gen_ai.usage.prompt_tokens": 5,
+                                             "trace_id": bytes(16)})))
+    pipe.poll(final=True)
+    assert len(sink.spans()) == 3 and pipe.pending_spans == 0
