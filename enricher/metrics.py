@@ -1,0 +1,162 @@
+"""Metrics: a prometheus_client Collector that reads pipeline, stream and export state at
+scrape time (nothing on the hot path but counter increments the pipeline already keeps).
+
+Label rules (shared/spec/SPANS.md): only low-cardinality values — attribution label, owner,
+worker (bounded by the configured fleet), routing policy, reasons from fixed enums. Never a
+hash, digest, request id, trace id or tenant id as a label value; trace ids travel only as
+exemplars (OpenMetrics exposition), which link a label's counter to one of its traces.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
+
+from kvmiss.collectors.stream import WorkerStream
+from kvmiss.enricher.pipeline import PipelineStats
+from kvmiss.schemas.attribution import LABEL_OWNER, Label
+
+UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
+NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
+WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MAX_ROUTE_POLICIES = 16  # beyond it, policies are folded into "other" (cardinality bound)
+
+
+class WaitHistogram:
+    """Cumulative histogram of history-wait seconds (drains the pipeline's samples)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(WAIT_BUCKETS)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe_all(self, samples: list[float]) -> None:
+        for value in samples:
+            self.total += 1
+            self.sum += value
+            for i, bound in enumerate(WAIT_BUCKETS):
+                if value <= bound:
+                    self.counts[i] += 1
+        samples.clear()
+
+
+class KvmissCollector(Collector):
+    """Builds every kvmiss metric family from live state when scraped."""
+
+    def __init__(
+        self,
+        stats: PipelineStats,
+        streams: Callable[[], dict[str, WorkerStream]],
+        *,
+        unknown_budget: float = 0.05,
+        exemplars: dict[tuple[Label, str, str], str] | None = None,
+    ):
+        self.stats = stats
+        self.streams = streams
+        self.unknown_budget = unknown_budget
+        self.exemplars = exemplars if exemplars is not None else {}
+        self.waits = WaitHistogram()
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # unchecked collector: families depend on the fleet
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._verdicts()
+        yield from self._streams()
+        yield from self._spans()
+
+    def _policy(self, policy: str, seen: list[str]) -> str:
+        if policy in seen or len(seen) < MAX_ROUTE_POLICIES:
+            if policy not in seen:
+                seen.append(policy)
+            return policy
+        return "other"
+
+    def _verdicts(self) -> Iterator[Metric]:
+        names = ["label", "owner", "worker", "route_policy"]
+        requests = CounterMetricFamily("kvmiss_requests", "Requests judged, by attribution label.", labels=names)
+        tokens = CounterMetricFamily("kvmiss_missed_tokens", "Prompt tokens the cache could have saved (L - C), by label.", labels=names)
+        policies: list[str] = []
+        folded: dict[tuple[str, ...], tuple[int, int, str | None]] = {}
+        for (label, policy, worker), count in sorted(self.stats.verdicts.items()):
+            key = (label.value, LABEL_OWNER[label].value, worker, self._policy(policy, policies))
+            n, t, ex = folded.get(key, (0, 0, None))
+            folded[key] = (n + count, t + self.stats.missed_tokens[(label, policy, worker)],
+                           ex or self.exemplars.get((label, policy, worker)))
+        for key, (n, t, trace) in folded.items():
+            exemplar = Exemplar({"trace_id": trace}, 1.0) if trace else None
+            requests.add_metric(list(key), n, exemplar=exemplar)
+            tokens.add_metric(list(key), t)
+        yield requests
+        yield tokens
+        misses = sum(n for (label, _, _), n in self.stats.verdicts.items() if label not in NOT_MISSES)
+        unknown = sum(n for (label, _, _), n in self.stats.verdicts.items() if label in UNKNOWN_LABELS)
+        share = GaugeMetricFamily("kvmiss_unknown_share", "Share of misses labelled unknown_*.")
+        share.add_metric([], unknown / misses if misses else 0.0)
+        yield share
+        budget = GaugeMetricFamily("kvmiss_unknown_budget", "Configured budget for the unknown share.")
+        budget.add_metric([], self.unknown_budget)
+        yield budget
+
+    def _streams(self) -> Iterator[Metric]:
+        w = ["worker"]
+        fams = {
+            "applied": CounterMetricFamily("kvmiss_stream_batches_applied", "Batches applied, live or replayed.", labels=w),
+            "gaps": CounterMetricFamily("kvmiss_stream_gaps", "Sequence gaps detected.", labels=w),
+            "requested": CounterMetricFamily("kvmiss_stream_replays_requested", "Replay requests sent.", labels=w),
+            "recovered": CounterMetricFamily("kvmiss_stream_replays_recovered", "Replays that filled their hole.", labels=w),
+            "failed": CounterMetricFamily("kvmiss_stream_replays_failed", "Replays that ended with a hole written off.", labels=w),
+            "unrecoverable": CounterMetricFamily("kvmiss_stream_unrecoverable_gaps", "Holes replay could not fill, by reason.", labels=["worker", "reason"]),
+            "epochs": CounterMetricFamily("kvmiss_stream_epoch_changes", "Publisher restarts detected.", labels=w),
+            "quarantine": CounterMetricFamily("kvmiss_stream_quarantine_seconds", "Seconds spent quarantined.", labels=w),
+            "quarantined": GaugeMetricFamily("kvmiss_stream_quarantined", "1 while the worker is quarantined.", labels=w),
+            "contiguous": GaugeMetricFamily("kvmiss_stream_last_contiguous_seq", "Last sequence applied with continuity.", labels=w),
+            "oldest": GaugeMetricFamily("kvmiss_stream_oldest_replayable_seq", "First sequence of the latest replay reply.", labels=w),
+            "peak": GaugeMetricFamily("kvmiss_stream_peak_batches_per_second", "Most batches in one second of engine time.", labels=w),
+        }
+        for worker, stream in sorted(self.streams().items()):
+            h = stream.health
+            fams["applied"].add_metric([worker], h.batches_applied)
+            fams["gaps"].add_metric([worker], h.gaps_detected)
+            fams["requested"].add_metric([worker], h.replays_requested)
+            fams["recovered"].add_metric([worker], h.replays_recovered)
+            fams["failed"].add_metric([worker], h.replays_failed)
+            for reason, n in sorted(h.unrecoverable_gaps.items(), key=lambda kv: kv[0].value):
+                fams["unrecoverable"].add_metric([worker, reason.value], n)
+            fams["epochs"].add_metric([worker], h.epoch_changes)
+            fams["quarantine"].add_metric([worker], h.quarantine_s)
+            fams["quarantined"].add_metric([worker], 1.0 if stream.quarantined else 0.0)
+            if h.last_contiguous_seq is not None:
+                fams["contiguous"].add_metric([worker], h.last_contiguous_seq)
+            if h.oldest_replayable_seq is not None:
+                fams["oldest"].add_metric([worker], h.oldest_replayable_seq)
+            fams["peak"].add_metric([worker], h.peak_batches_per_s)
+        yield from fams.values()
+
+    def _spans(self) -> Iterator[Metric]:
+        s = self.stats
+        received = CounterMetricFamily("kvmiss_spans_received", "Spans accepted from OTLP senders.")
+        received.add_metric([], s.spans_in)
+        exported = CounterMetricFamily("kvmiss_spans_exported", "Spans handed to the exporter.")
+        exported.add_metric([], s.spans_out)
+        refused = CounterMetricFamily("kvmiss_spans_refused", "Spans refused with a retryable error (backpressure).")
+        refused.add_metric([], s.spans_refused)
+        unenriched = CounterMetricFamily("kvmiss_requests_unenriched", "Requests passed on without a full judgement, by reason.", labels=["reason"])
+        for reason, n in sorted(s.unenriched.items()):
+            unenriched.add_metric([reason], n)
+        bad = CounterMetricFamily("kvmiss_bad_attributes", "Input attributes with unusable values, by attribute name.", labels=["attribute"])
+        for name, n in sorted(s.bad_attributes.items()):
+            bad.add_metric([name], n)
+        self.waits.observe_all(s.history_wait_s)
+        waits = HistogramMetricFamily("kvmiss_history_wait_seconds", "How long requests waited for their worker's events.")
+        buckets = [(str(b), c) for b, c in zip(WAIT_BUCKETS, self.waits.counts)] + [("+Inf", self.waits.total)]
+        waits.add_metric([], buckets, self.waits.sum)
+        yield from (received, exported, refused, unenriched, bad, waits)

@@ -1,0 +1,53 @@
+"""Metrics: the families SPANS.md asks for, low-cardinality labels, exemplars only for traces."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest
+from test_pipeline import Clock, Sink, evicted_history, export_request, router_span, engine_span
+
+from kvmiss.collectors.stream import WorkerStream
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.metrics import KvmissCollector
+from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.privacy import DigestKey
+from fleet_builders import H
+
+
+def scrape() -> tuple[str, str]:
+    index, _ = evicted_history()
+    exemplars: dict = {}
+    trace_hex = bytes(range(16)).hex()
+
+    def remember(facts, verdict, trace_id):
+        exemplars[(verdict.label, facts.route_policy or "", facts.worker or "")] = trace_id.hex()
+
+    pipe = Pipeline(Attributor(index, DigestKey("metrics-test-secret-0001")), Sink(), clock=Clock(),
+                    on_verdict=remember)
+    asyncio.run(pipe.consume(export_request(router_span(**{"kvmiss.route.policy": "prefix"}), engine_span())))
+    pipe.poll()
+    registry = CollectorRegistry()
+    registry.register(KvmissCollector(pipe.stats, lambda: {"A": WorkerStream("A", replay=True)},
+                                      exemplars=exemplars))
+    return generate_latest(registry).decode(), trace_hex
+
+
+def test_label_counters_carry_label_owner_worker_policy_and_a_trace_exemplar():
+    text, trace_hex = scrape()
+    line = next(l for l in text.splitlines() if l.startswith("kvmiss_requests_total{"))
+    assert 'label="evicted"' in line and 'owner="platform"' in line
+    assert 'worker="A"' in line and 'route_policy="prefix"' in line
+    assert f'trace_id="{trace_hex}"' in line  # an exemplar, after the '#'
+    assert "kvmiss_missed_tokens_total" in text and "kvmiss_unknown_share" in text
+    assert "kvmiss_stream_batches_applied_total" in text and "kvmiss_history_wait_seconds_bucket" in text
+
+
+def test_no_hash_digest_request_or_trace_id_is_ever_a_label_value():
+    text, trace_hex = scrape()
+    label_values = re.findall(r'="([^"]*)"', "\n".join(l.split(" # ")[0] for l in text.splitlines()))
+    forbidden = {str(H), f"{H:x}", str(H - 2**64), "r1", trace_hex}
+    assert not forbidden & set(label_values)
+    assert not any(":" in v and len(v) > 16 for v in label_values)  # no keyed digests
