@@ -96,7 +96,7 @@ def _holders(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[Ho
         for medium in view.media:
             node = _held_at(view, key, medium, step[0], run)
             if node is not None:
-                found.append(Holder(worker, medium, node.stored_ts))  # type: ignore[arg-type]
+                found.append(Holder(worker, medium, node.stored_ts))
                 break
     return tuple(found)
 
@@ -136,7 +136,7 @@ def gather(
     key = first_miss_hash(facts)
     holders = _holders(index, worker, key, t) if key is not None else ()
     tiers = tuple(
-        TierHolding(medium, node.stored_ts)  # type: ignore[arg-type]
+        TierHolding(medium, node.stored_ts)
         for medium in view.media
         if medium != GPU and key is not None
         and (node := _held_at(view, key, medium, step_seq, run)) is not None

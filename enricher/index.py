@@ -13,10 +13,11 @@ never carried across). Inside a view:
     contains the lookup" and "has history reached t" (bisect, O(log n)).
   * ``runs``: stretches of continuous history (see `schemas.stream.RunStart`).
   * ``clears``: observed AllBlocksCleared (seq, ts): known-empty points.
-  * ``media``: medium -> {block key -> `Interval`}, the *latest* residency interval of each
-    block on that medium. Older intervals of the same block hang off ``Interval.prev``.
-    Copies are reference-counted per (medium, group): tiers and the lookup-limit recompute
-    store one hash twice, and one `BlockRemoved` does not mean the hash left.
+  * ``media``: medium -> {block key -> record}, the *latest* residency interval of each
+    block on that medium, older ones chained behind it. Copies are reference-counted per
+    (medium, group): tiers and the lookup-limit recompute store one hash twice, and one
+    `BlockRemoved` does not mean the hash left. Records are packed for speed and memory
+    (see `Interval` for the encoding); queries unpack them into `Interval` views.
   * ``pruned``: a no-false-negative filter of blocks whose records retention dropped, so a
     query that would need one answers "aged out" instead of guessing.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import bisect
 import collections
 from array import array
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
@@ -63,38 +64,45 @@ def block_key(block_hash: int, group_idx: int | None) -> int | tuple[int, int]:
     return block_hash if not group_idx else (group_idx, block_hash)
 
 
-class Interval:
-    """One stretch during which a block was resident on one medium of one worker epoch.
+# Record encoding (the values of a media table):
+#   int s                          resident, one copy, stored at seq s, nothing older kept
+#   (refs, s, r, by_clear, prev)   general: ``refs`` live copies; ``r`` removed seq (None while
+#                                  resident); ``s`` None when the store predates our history;
+#                                  ``prev`` the block's previous record (same encoding) or None.
+# The common case -- stored once, still resident -- costs one shared int per block. Records
+# are immutable tuples, replaced on change: the cyclic GC untracks tuples of atoms, so a
+# million records add nothing to every full collection (lists made ingest 2.5x slower).
+REFS, STORED, REMOVED, BY_CLEAR, PREV = range(5)
 
-    ``refs`` counts live copies; the interval closes when it drops to zero or a clear is
-    seen. ``stored_seq`` is None when the removal was seen but the store predates our
-    history (mid-epoch join): such an interval proves nothing about when it was stored.
+
+class Interval(NamedTuple):
+    """A read-only view of one residency interval of a block on one medium.
+
+    ``stored_seq`` is None when the removal was seen but the store predates our history
+    (mid-epoch join): such an interval proves nothing about when it was stored. Times are
+    None once the batch log around them has aged out.
     """
 
-    __slots__ = ("refs", "stored_seq", "stored_ts", "removed_seq", "removed_ts",
-                 "removed_by_clear", "prev")
+    stored_seq: int | None
+    stored_ts: float | None
+    removed_seq: int | None
+    removed_ts: float | None
+    removed_by_clear: bool
 
-    def __init__(self, stored_seq: int | None, stored_ts: float | None, prev: Interval | None):
-        self.refs = 1
-        self.stored_seq = stored_seq
-        self.stored_ts = stored_ts
-        self.removed_seq: int | None = None
-        self.removed_ts: float | None = None
-        self.removed_by_clear = False
-        self.prev = prev
 
-    def close(self, seq: int, ts: float, by_clear: bool) -> None:
-        self.refs = 0
-        self.removed_seq = seq
-        self.removed_ts = ts
-        self.removed_by_clear = by_clear
+def _chain(record) -> Iterator[list | int]:
+    """A block's records, newest first."""
+    while record is not None:
+        yield record
+        record = None if record.__class__ is int else record[PREV]
 
-    def history(self) -> Iterator[Interval]:
-        """This interval and the older ones of the same block, newest first."""
-        node: Interval | None = self
-        while node is not None:
-            yield node
-            node = node.prev
+
+def _relink(records: list) -> int | tuple | None:
+    """Rebuild a chain (newest first) from kept records, the oldest losing its ``prev``."""
+    chained = None
+    for record in reversed(records):
+        chained = record if record.__class__ is int else (*record[:PREV], chained)
+    return chained
 
 
 class Run:
@@ -151,101 +159,113 @@ class EpochView:
         self.log_base = 0  # entries dropped from the front of the log by retention
         self.runs: list[Run] = []
         self.clears: list[tuple[int, float]] = []
-        self.media: dict[str, dict[object, Interval]] = {GPU: {}}
+        self.media: dict[str, dict[object, int | list]] = {GPU: {}}
+        self._tables: dict[str | None, tuple[str, dict]] = {}  # raw medium -> (name, table)
         self.closed: collections.deque[tuple[float, str, object]] = collections.deque()
         self.pruned = PrunedFilter()
         self.horizon_ts: float | None = None  # records before this engine time may be gone
         self.first_ts: float | None = None
 
     # --- applying -------------------------------------------------------------------
+    # The hot path: every event of every worker passes here. Kept flat on purpose.
 
     def apply(self, batch: AppliedBatch) -> None:
         seq, ts = batch.seq, batch.ts
-        run = self.runs[-1] if self.runs else None
-        if run is None or batch.run_start_seq != run.start_seq:
-            self.runs.append(Run(batch))
+        runs = self.runs
+        if not runs or batch.run_start_seq != runs[-1].start_seq:
+            runs.append(Run(batch))
         else:
-            run.last_seq = seq
+            runs[-1].last_seq = seq
         self.epoch_certain = batch.epoch_certain
         if self.first_ts is None:
             self.first_ts = ts
         self.log_seq.append(seq)
         self.log_ts.append(ts)
+        tables = self._tables
         for event in batch.events:
             cls = event.__class__
-            if cls is BlockStored:
-                self._store(event, seq, ts)
-            elif cls is BlockRemoved:
-                self._remove(event, seq, ts)
-            elif cls is AllBlocksCleared:
+            if cls is AllBlocksCleared:
                 self._clear(seq, ts)
+                continue
+            found = tables.get(event.medium)
+            if found is None:
+                found = self._table(event.medium)
+            medium, table = found
+            group = event.group_idx
+            if cls is BlockStored:
+                for h in event.block_hashes:
+                    key = h if not group else (group, h)
+                    size = len(table)
+                    record = table.setdefault(key, seq)  # one lookup for a new block
+                    if len(table) != size:
+                        continue
+                    if record.__class__ is int:
+                        table[key] = (2, record, None, False, None)
+                    elif record[REMOVED] is None:
+                        table[key] = (record[REFS] + 1, *record[1:])
+                    else:
+                        table[key] = (1, seq, None, False, record)
+            elif cls is BlockRemoved:
+                closed = self.closed
+                for h in event.block_hashes:
+                    key = h if not group else (group, h)
+                    record = table.get(key)
+                    if record is None or (record.__class__ is not int and record[REMOVED] is not None):
+                        # Stored before our history began: the removal is real, the store unknown.
+                        table[key] = (0, None, seq, False, record)
+                    elif record.__class__ is int:
+                        table[key] = (0, record, seq, False, None)
+                    elif record[REFS] > 1:
+                        table[key] = (record[REFS] - 1, *record[1:])
+                        continue
+                    else:
+                        table[key] = (0, record[STORED], seq, False, record[PREV])
+                    closed.append((ts, medium, key))
 
-    def _table(self, medium: str | None) -> dict[object, Interval]:
-        name = canonical_medium(medium)
+    def _table(self, raw_medium: str | None) -> tuple[str, dict]:
+        name = canonical_medium(raw_medium)
         table = self.media.get(name)
         if table is None:
             table = self.media[name] = {}
-        return table
-
-    def _store(self, event: BlockStored, seq: int, ts: float) -> None:
-        table = self._table(event.medium)
-        group = event.group_idx
-        for h in event.block_hashes:
-            key = h if not group else (group, h)
-            current = table.get(key)
-            if current is not None and current.removed_seq is None:
-                current.refs += 1
-            else:
-                table[key] = Interval(seq, ts, current)
-
-    def _remove(self, event: BlockRemoved, seq: int, ts: float) -> None:
-        medium = canonical_medium(event.medium)
-        table = self._table(medium)
-        group = event.group_idx
-        for h in event.block_hashes:
-            key = h if not group else (group, h)
-            current = table.get(key)
-            if current is None or current.removed_seq is not None:
-                # Stored before our history began: the removal is real, the store unknown.
-                current = table[key] = Interval(None, None, current)
-            current.refs -= 1
-            if current.refs <= 0:
-                current.close(seq, ts, by_clear=False)
-                self.closed.append((ts, medium, key))
+        found = self._tables[raw_medium] = (name, table)
+        return found
 
     def _clear(self, seq: int, ts: float) -> None:
         self.clears.append((seq, ts))
         for medium, table in self.media.items():
-            for key, current in table.items():
-                if current.removed_seq is None:
-                    current.close(seq, ts, by_clear=True)
-                    self.closed.append((ts, medium, key))
+            for key, record in table.items():
+                if record.__class__ is int:
+                    table[key] = (0, record, seq, True, None)
+                elif record[REMOVED] is None:
+                    table[key] = (0, record[STORED], seq, True, record[PREV])
+                else:
+                    continue
+                self.closed.append((ts, medium, key))
 
     # --- retention --------------------------------------------------------------------
 
     def prune(self, before_ts: float) -> int:
         """Drop closed intervals and log entries older than ``before_ts``; returns how many
-        intervals were dropped. Resident intervals are never dropped (they are current)."""
+        blocks lost records. Resident intervals are never dropped (they are current)."""
+        cut = bisect.bisect_left(self.log_ts, before_ts)
+        horizon_seq = self.log_seq[cut] if cut < len(self.log_seq) else None
         dropped = 0
         closed = self.closed
         while closed and closed[0][0] < before_ts:
             _, medium, key = closed.popleft()
-            current = self.media[medium].get(key)
-            if current is None:
-                continue
-            # Cut every closed interval older than the horizon off this block's chain.
-            keep: Interval | None = None
-            for node in current.history():
-                if node.removed_ts is not None and node.removed_ts < before_ts:
-                    if keep is None:
-                        del self.media[medium][key]
+            table = self.media[medium]
+            records = list(_chain(table.get(key)))
+            for i, record in enumerate(records):
+                removed = None if record.__class__ is int else record[REMOVED]
+                if removed is not None and (horizon_seq is None or removed < horizon_seq):
+                    kept = _relink(records[:i])
+                    if kept is None:
+                        del table[key]
                     else:
-                        keep.prev = None
+                        table[key] = kept
                     self.pruned.add(key if isinstance(key, int) else key[1])
                     dropped += 1
                     break
-                keep = node
-        cut = bisect.bisect_left(self.log_ts, before_ts)
         if cut:
             del self.log_seq[:cut]
             del self.log_ts[:cut]
@@ -277,15 +297,23 @@ class EpochView:
                 return clear
         return None
 
+    def ts_of(self, seq: int | None) -> float | None:
+        """Engine time of an applied batch, while the log still holds it."""
+        if seq is None:
+            return None
+        i = bisect.bisect_left(self.log_seq, seq)
+        return self.log_ts[i] if i < len(self.log_seq) and self.log_seq[i] == seq else None
+
     def interval_as_of(self, key: object, medium: str, step_seq: int) -> Interval | None:
         """The latest interval of ``key`` on ``medium`` whose store happened before the
         lookup step (a store in the lookup step happened after the lookup)."""
-        current = self.media.get(medium, {}).get(key)
-        if current is None:
-            return None
-        for node in current.history():
-            if node.stored_seq is None or node.stored_seq < step_seq:
-                return node
+        for record in _chain(self.media.get(medium, {}).get(key)):
+            if record.__class__ is int:
+                stored, removed, by_clear = record, None, False
+            else:
+                stored, removed, by_clear = record[STORED], record[REMOVED], record[BY_CLEAR]
+            if stored is None or stored < step_seq:
+                return Interval(stored, self.ts_of(stored), removed, self.ts_of(removed), by_clear)
         return None
 
     @property

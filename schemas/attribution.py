@@ -116,7 +116,7 @@ class TierHolding(msgspec.Struct, frozen=True):
     """H held on an offload tier of the chosen worker at t, with continuous history."""
 
     medium: str  # canonical medium: CPU, STORAGE, EXTERNAL
-    stored_ts: float
+    stored_ts: float | None  # None once the batch log around the store aged out
 
 
 class Holder(msgspec.Struct, frozen=True):
@@ -124,7 +124,7 @@ class Holder(msgspec.Struct, frozen=True):
 
     worker: str
     medium: str
-    stored_ts: float
+    stored_ts: float | None
 
 
 class Evidence(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,7 +23,7 @@ be decoded raises `WireError` whose message says what and where (a msgspec path 
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -52,24 +52,21 @@ def canonical_hash(value: int | bytes) -> int:
     raise WireError(f"block hash must be int or bytes, got {type(value).__name__}")
 
 
-def _needs_canonicalising(hashes: list) -> bool:
-    # min() runs in C; it fails on bytes, or on a mix of bytes and ints, which also need work.
-    try:
-        return bool(hashes) and min(hashes) < 0
-    except TypeError:
-        return True
+Uint64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints never exceed uint64
+_AnyHash = Union[int, bytes]
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
     """Blocks entered the prefix cache of one medium.
 
-    After construction or decoding, ``block_hashes`` and ``parent_block_hash`` hold only
-    canonical uint64 ints. ``token_ids`` stays undecoded msgpack (most consumers never need
-    the values); call `tokens()` to get them.
+    ``block_hashes`` and ``parent_block_hash`` are canonical uint64 ints (decoding
+    canonicalises every wire form; code constructing events must pass canonical values).
+    ``token_ids`` stays undecoded msgpack (most consumers never need the values); call
+    `tokens()` to get them.
     """
 
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None] = None
+    block_hashes: list[Uint64]
+    parent_block_hash: Uint64 | None = None
     token_ids: msgspec.Raw = _EMPTY_TOKENS
     block_size: int = 0
     lora_id: int | None = None
@@ -87,16 +84,6 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defa
     # Not on the wire: the raw digests when the publisher sent bytes instead of ints.
     block_digests: list[bytes] | None = None
 
-    def __post_init__(self) -> None:
-        hashes = self.block_hashes
-        if _needs_canonicalising(hashes):
-            if any(not isinstance(h, int) for h in hashes):
-                self.block_digests = [bytes(h) for h in hashes if not isinstance(h, int)]
-            self.block_hashes = [canonical_hash(h) for h in hashes]
-        parent = self.parent_block_hash
-        if parent is not None and (parent.__class__ is not int or parent < 0):
-            self.parent_block_hash = canonical_hash(parent)
-
     def tokens(self) -> list[int]:
         """The concatenated token ids of these blocks (decoded on demand)."""
         try:
@@ -108,19 +95,12 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defa
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
     """Blocks left the prefix cache of one medium (vLLM emits one event per hash)."""
 
-    block_hashes: list[Union[int, bytes]]
+    block_hashes: list[Uint64]
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
     block_digests: list[bytes] | None = None
-
-    def __post_init__(self) -> None:
-        hashes = self.block_hashes
-        if _needs_canonicalising(hashes):
-            if any(not isinstance(h, int) for h in hashes):
-                self.block_digests = [bytes(h) for h in hashes if not isinstance(h, int)]
-            self.block_hashes = [canonical_hash(h) for h in hashes]
 
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
@@ -142,33 +122,33 @@ class EventBatch(msgspec.Struct, array_like=True):
     dp_rank: int | None = None
 
 
-# --- vLLM < 0.24: positional arrays. Fields only ever appended, so trailing ones default.
+# --- The slow path. Anything the strict fast path refuses lands here: hashes that are
+# negative (SGLang's signed int64) or raw digests, vLLM < 0.24 positional arrays (fields
+# only ever appended, so trailing ones default), a batch mixing both, or bad input.
 
 
-class _ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None] = None
-    token_ids: msgspec.Raw = _EMPTY_TOKENS
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None  # 0.11+
-    lora_name: str | None = None  # 0.14+
-    extra_keys: list[Any] | None = None  # 0.20+
-    group_idx: int | None = None  # 0.20+
-    kv_cache_spec_kind: str | None = None  # 0.22+
-    kv_cache_spec_sliding_window: int | None = None  # 0.22+
+class _LenientBlockStored(BlockStored, tag="BlockStored", tag_field="type"):
+    block_hashes: list[_AnyHash]
+    parent_block_hash: _AnyHash | None = None
 
 
-class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[Union[int, bytes]]
-    medium: str | None = None
-    group_idx: int | None = None
+class _LenientBlockRemoved(BlockRemoved, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[_AnyHash]
+
+
+class _ArrayBlockStored(_LenientBlockStored, tag="BlockStored", array_like=True):
+    pass
+
+
+class _ArrayBlockRemoved(_LenientBlockRemoved, tag="BlockRemoved", array_like=True):
+    pass
 
 
 class _ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
     pass
 
 
+_MapEvent = Union[_LenientBlockStored, _LenientBlockRemoved, AllBlocksCleared]
 _ArrayEvent = Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]
 
 
@@ -180,16 +160,24 @@ class _RawBatch(msgspec.Struct, array_like=True):
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 _raw_batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
-_map_event_decoder = msgspec.msgpack.Decoder(KVEvent)
+_map_event_decoder = msgspec.msgpack.Decoder(_MapEvent)
 _array_event_decoder = msgspec.msgpack.Decoder(_ArrayEvent)
 
 
-def _from_array(event: _ArrayEvent) -> KVEvent:
-    if isinstance(event, _ArrayBlockStored):
-        return BlockStored(**msgspec.structs.asdict(event))
-    if isinstance(event, _ArrayBlockRemoved):
-        return BlockRemoved(**msgspec.structs.asdict(event))
-    return AllBlocksCleared()
+def _normalised(event: msgspec.Struct) -> KVEvent:
+    """The strict model of a lenient or array-form event: hashes canonicalised."""
+    if isinstance(event, (AllBlocksCleared, _ArrayAllBlocksCleared)):
+        return AllBlocksCleared()
+    fields = msgspec.structs.asdict(event)
+    hashes = fields["block_hashes"]
+    digests = [bytes(h) for h in hashes if not isinstance(h, int)]
+    fields["block_hashes"] = [canonical_hash(h) for h in hashes]
+    fields["block_digests"] = digests or None
+    if isinstance(event, _LenientBlockStored):
+        if fields["parent_block_hash"] is not None:
+            fields["parent_block_hash"] = canonical_hash(fields["parent_block_hash"])
+        return BlockStored(**fields)
+    return BlockRemoved(**fields)
 
 
 def _is_msgpack_array(raw: msgspec.Raw) -> bool:
@@ -207,7 +195,7 @@ def decode_batch(payload: bytes) -> EventBatch:
     try:
         return _batch_decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        pass  # older array events, a mixed batch, or genuinely bad: find out which below
+        pass  # another wire form, or genuinely bad: find out which below
     try:
         raw = _raw_batch_decoder.decode(payload)
     except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
@@ -216,11 +204,9 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise WireError(f"payload is not msgpack: {exc}") from None
     events: list[KVEvent] = []
     for index, raw_event in enumerate(raw.events):
+        decoder = _array_event_decoder if _is_msgpack_array(raw_event) else _map_event_decoder
         try:
-            if _is_msgpack_array(raw_event):
-                events.append(_from_array(_array_event_decoder.decode(raw_event)))
-            else:
-                events.append(_map_event_decoder.decode(raw_event))
+            events.append(_normalised(decoder.decode(raw_event)))
         except (msgspec.ValidationError, msgspec.DecodeError, WireError) as exc:
             raise WireError(f"event {index}: {exc}") from None
     return EventBatch(ts=raw.ts, events=events, dp_rank=raw.dp_rank)

@@ -226,3 +226,11 @@ class TestWorkersAndEpochs:
         feed(index, a.batches(range(0, 3), {0: [stored(H)]}))
         ev = gather(index, request("A", a.ts(0) - 0.01))
         assert ev.presence is Presence.ABSENT and ev.window_start is WindowStart.EPOCH_START
+
+
+def test_two_copies_stored_in_one_batch_need_two_removals():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a.batches(range(0, 10), {1: [stored(H), stored(H)], 3: [removed(H)]}))
+    assert gather(index, request("A", a.ts(8))).presence is Presence.RESIDENT
+    feed(index, a.batches(range(10, 20), {12: [removed(H)]}))
+    assert gather(index, request("A", a.ts(18))).presence is Presence.EVICTED
