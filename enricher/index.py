@@ -65,11 +65,12 @@ def block_key(block_hash: int, group_idx: int | None) -> int | tuple[int, int]:
 
 
 # Record encoding (the values of a media table):
-#   int s                          resident, one copy, stored at seq s, nothing older kept
+#   int s >= 0                     resident, one copy, stored at seq s, nothing older kept
+#   int c < 0                      closed, nothing older kept: `_closed` packs (s, r, by_clear)
 #   (refs, s, r, by_clear, prev)   general: ``refs`` live copies; ``r`` removed seq (None while
 #                                  resident); ``s`` None when the store predates our history;
 #                                  ``prev`` the block's previous record (same encoding) or None.
-# The common case -- stored once, still resident -- costs one shared int per block. Records
+# The common cases -- stored once and resident, or evicted once -- cost one int. Records
 # are immutable tuples, replaced on change: the cyclic GC untracks tuples of atoms, so a
 # million records add nothing to every full collection (lists made ingest 2.5x slower).
 REFS, STORED, REMOVED, BY_CLEAR, PREV = range(5)
@@ -90,18 +91,40 @@ class Interval(NamedTuple):
     removed_by_clear: bool
 
 
-def _chain(record) -> Iterator[list | int]:
+_SEQ_BITS = 40  # 10^12 batches: decades of a busy engine
+
+
+def _closed(stored: int, removed: int, by_clear: bool) -> int:
+    """Pack a closed interval with nothing older into one negative int."""
+    return -1 - ((stored << (_SEQ_BITS + 1)) | (removed << 1) | by_clear)
+
+
+def _unpack(record: int | tuple) -> tuple[int | None, int | None, bool, int | tuple | None]:
+    """(stored seq, removed seq, removed by a clear, previous record) of any record."""
+    if record.__class__ is int:
+        if record >= 0:
+            return record, None, False, None
+        value = -1 - record
+        return value >> (_SEQ_BITS + 1), (value >> 1) & ((1 << _SEQ_BITS) - 1), bool(value & 1), None
+    return record[STORED], record[REMOVED], record[BY_CLEAR], record[PREV]
+
+
+def _chain(record) -> Iterator[int | tuple]:
     """A block's records, newest first."""
     while record is not None:
         yield record
-        record = None if record.__class__ is int else record[PREV]
+        record = _unpack(record)[3]
 
 
 def _relink(records: list) -> int | tuple | None:
     """Rebuild a chain (newest first) from kept records, the oldest losing its ``prev``."""
     chained = None
     for record in reversed(records):
-        chained = record if record.__class__ is int else (*record[:PREV], chained)
+        if record.__class__ is int:
+            stored, removed, by_clear, _ = _unpack(record)
+            chained = record if chained is None else (0, stored, removed, by_clear, chained)
+        else:
+            chained = (*record[:PREV], chained)
     return chained
 
 
@@ -200,7 +223,10 @@ class EpochView:
                     if len(table) != size:
                         continue
                     if record.__class__ is int:
-                        table[key] = (2, record, None, False, None)
+                        if record >= 0:  # a second copy
+                            table[key] = (2, record, None, False, None)
+                        else:  # stored again after its removal
+                            table[key] = (1, seq, None, False, record)
                     elif record[REMOVED] is None:
                         table[key] = (record[REFS] + 1, *record[1:])
                     else:
@@ -210,11 +236,11 @@ class EpochView:
                 for h in event.block_hashes:
                     key = h if not group else (group, h)
                     record = table.get(key)
-                    if record is None or (record.__class__ is not int and record[REMOVED] is not None):
+                    if record.__class__ is int and record >= 0:
+                        table[key] = _closed(record, seq, False)
+                    elif record is None or record.__class__ is int or record[REMOVED] is not None:
                         # Stored before our history began: the removal is real, the store unknown.
                         table[key] = (0, None, seq, False, record)
-                    elif record.__class__ is int:
-                        table[key] = (0, record, seq, False, None)
                     elif record[REFS] > 1:
                         table[key] = (record[REFS] - 1, *record[1:])
                         continue
@@ -235,7 +261,9 @@ class EpochView:
         for medium, table in self.media.items():
             for key, record in table.items():
                 if record.__class__ is int:
-                    table[key] = (0, record, seq, True, None)
+                    if record < 0:
+                        continue
+                    table[key] = _closed(record, seq, True)
                 elif record[REMOVED] is None:
                     table[key] = (0, record[STORED], seq, True, record[PREV])
                 else:
@@ -256,7 +284,7 @@ class EpochView:
             table = self.media[medium]
             records = list(_chain(table.get(key)))
             for i, record in enumerate(records):
-                removed = None if record.__class__ is int else record[REMOVED]
+                removed = _unpack(record)[1]
                 if removed is not None and (horizon_seq is None or removed < horizon_seq):
                     kept = _relink(records[:i])
                     if kept is None:
@@ -308,10 +336,7 @@ class EpochView:
         """The latest interval of ``key`` on ``medium`` whose store happened before the
         lookup step (a store in the lookup step happened after the lookup)."""
         for record in _chain(self.media.get(medium, {}).get(key)):
-            if record.__class__ is int:
-                stored, removed, by_clear = record, None, False
-            else:
-                stored, removed, by_clear = record[STORED], record[REMOVED], record[BY_CLEAR]
+            stored, removed, by_clear, _ = _unpack(record)
             if stored is None or stored < step_seq:
                 return Interval(stored, self.ts_of(stored), removed, self.ts_of(removed), by_clear)
         return None

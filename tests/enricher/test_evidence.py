@@ -234,3 +234,27 @@ def test_two_copies_stored_in_one_batch_need_two_removals():
     assert gather(index, request("A", a.ts(8))).presence is Presence.RESIDENT
     feed(index, a.batches(range(10, 20), {12: [removed(H)]}))
     assert gather(index, request("A", a.ts(18))).presence is Presence.EVICTED
+
+
+def test_every_interval_of_a_block_stored_and_evicted_three_times_is_judged_at_its_time():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    events = {2: [stored(H)], 5: [removed(H)], 8: [stored(H)], 11: [cleared()],
+              14: [stored(H)], 17: [removed(H)]}
+    feed(index, a.batches(range(0, 25), events))
+    expected = {4: (Presence.RESIDENT, 2, None), 7: (Presence.EVICTED, 2, 5),
+                10: (Presence.RESIDENT, 8, None), 13: (Presence.EVICTED, 8, 11),
+                16: (Presence.RESIDENT, 14, None), 20: (Presence.EVICTED, 14, 17)}
+    for seq, (presence, stored_seq, removed_seq) in expected.items():
+        ev = gather(index, request("A", a.ts(seq) - 0.5))
+        assert (ev.presence, ev.stored_seq, ev.removed_seq) == (presence, stored_seq, removed_seq), seq
+    assert gather(index, request("A", a.ts(13) - 0.5)).removed_by_clear
+
+
+def test_pruning_the_oldest_interval_keeps_the_newer_ones_exact():
+    index, a = ResidencyIndex(retention_s=30), WorkerFeed("A")
+    feed(index, a.batches(range(0, 100), {2: [stored(H)], 5: [removed(H)],
+                                          80: [stored(H)], 85: [removed(H)]}))
+    index.prune(now_ts=a.ts(99))
+    ev = gather(index, request("A", a.ts(90)))
+    assert ev.presence is Presence.EVICTED and (ev.stored_seq, ev.removed_seq) == (80, 85)
+    assert gather(index, request("A", a.ts(75))).history is History.AGED_OUT
