@@ -15,48 +15,13 @@ from typing import Any
 
 import msgspec
 
-from kvmiss.enricher.hashing import BlockHasher, HashingError, LoraRef, MMItem, RequestExtras, external_hash
+from kvmiss.enricher.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
+from kvmiss.schemas.prompt import ExtraKeysSpec
 from kvmiss.enricher.spans import SpanFacts
 from kvmiss.schemas.attribution import RequestFacts
 
 
-class LoraAttr(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    path: str | None = None
-
-
-class MMAttr(msgspec.Struct, forbid_unknown_fields=True):
-    id: str
-    offset: int
-    length: int
-
-
-class ExtraKeysAttr(msgspec.Struct, forbid_unknown_fields=True):
-    """The JSON carried by ``kvmiss.extra_keys`` (opt-in, never exported): the same fields
-    as `kvmiss hash`'s input."""
-
-    lora: LoraAttr | None = None
-    cache_salt: str | None = None
-    mm: list[MMAttr] = []
-    prompt_embeds_block_digests: list[str] | None = None
-
-    def kinds(self) -> tuple[str, ...]:
-        present = (("lora", self.lora), ("mm", self.mm), ("cache_salt", self.cache_salt),
-                   ("prompt_embeds", self.prompt_embeds_block_digests))
-        return tuple(kind for kind, value in present if value)
-
-    def extras(self) -> RequestExtras:
-        return RequestExtras(
-            lora=LoraRef(self.lora.name, self.lora.path) if self.lora else None,
-            mm_items=tuple(MMItem(m.id, m.offset, m.length) for m in self.mm),
-            cache_salt=self.cache_salt,
-            prompt_embeds_digests=(
-                tuple(bytes.fromhex(d) for d in self.prompt_embeds_block_digests)
-                if self.prompt_embeds_block_digests else None),
-        )
-
-
-_extra_keys_decoder = msgspec.json.Decoder(ExtraKeysAttr)
+_extra_keys_decoder = msgspec.json.Decoder(ExtraKeysSpec)
 
 
 class Fragment(msgspec.Struct):
@@ -153,8 +118,8 @@ def _hash_tokens(m: SpanFacts, hasher: BlockHasher, errors: list[str]) -> tuple[
     if m.extra_keys is not None:
         try:
             parsed = _extra_keys_decoder.decode(m.extra_keys)
-            extras, kinds = parsed.extras(), parsed.kinds()
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError):
+            extras, kinds = extras_from_spec(parsed), parsed.kinds()
+        except (msgspec.ValidationError, msgspec.DecodeError, HashingError):
             errors.append("kvmiss.extra_keys")
             return None, ()
     try:

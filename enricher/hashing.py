@@ -63,6 +63,7 @@ import cbor2
 import msgspec
 from xxhash import xxh3_128, xxh3_128_digest
 
+from kvmiss.schemas.prompt import ExtraKeysSpec
 from kvmiss.schemas.events import canonical_hash
 
 BlockHash = NewType("BlockHash", bytes)
@@ -181,6 +182,33 @@ class RequestExtras:
 
 
 _NO_EXTRAS = RequestExtras()
+
+
+def extras_from_spec(spec: ExtraKeysSpec) -> RequestExtras:
+    """The hashing inputs of a prompt spec (schemas/prompt.py); raises `HashingError`
+    naming the field when a value cannot be hashed."""
+    digests = None
+    if spec.prompt_embeds_block_digests is not None:
+        digests = []
+        for i, text in enumerate(spec.prompt_embeds_block_digests):
+            try:
+                digests.append(bytes.fromhex(text))
+            except ValueError:
+                raise HashingError(f"not hex - at `$.prompt_embeds_block_digests[{i}]`") from None
+        digests = tuple(digests)
+    try:
+        return _extras(spec, digests)
+    except HashingError as exc:  # only the mm spans can be wrong here
+        raise HashingError(f"{exc} - at `$.mm`") from None
+
+
+def _extras(spec: ExtraKeysSpec, digests: tuple[bytes, ...] | None) -> RequestExtras:
+    return RequestExtras(
+        lora=None if spec.lora is None else LoraRef(spec.lora.name, spec.lora.path),
+        mm_items=tuple(MMItem(m.id, m.offset, m.length) for m in spec.mm),
+        cache_salt=spec.cache_salt,
+        prompt_embeds_digests=digests,
+    )
 
 
 # --- CBOR preimages, assembled from parts ---------------------------------------------------

@@ -29,38 +29,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import IO, Annotated, Literal
+from typing import IO
 
 import msgspec
 
-_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class _Lora(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    path: str | None = None
-
-
-class _MMItem(msgspec.Struct, forbid_unknown_fields=True):
-    id: str
-    offset: _NonNegative
-    length: Annotated[int, msgspec.Meta(gt=0)]
-
-
-class HashRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """The stdin object (see the module docstring)."""
-
-    algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
-    block_size: Annotated[int, msgspec.Meta(gt=0)]
-    token_ids: list[_NonNegative]
-    seed: str | None = None
-    lora: _Lora | None = None
-    cache_salt: str | None = None
-    mm: list[_MMItem] = []
-    prompt_embeds_block_digests: list[str] | None = None
-    extra_keys_format: Literal["tagged", "untagged"] = "tagged"
-    lookahead_tokens: _NonNegative = 0
-
+from kvmiss.schemas.prompt import HashRequest
 
 _decoder = msgspec.json.Decoder(HashRequest)
 _encoder = msgspec.json.Encoder()
@@ -76,36 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def compute(raw: bytes) -> dict:
     """Decode one request and hash it; raises `InputError` naming the field at fault."""
-    from kvmiss.enricher.hashing import (
-        BlockHasher,
-        HashingError,
-        LoraRef,
-        MMItem,
-        RequestExtras,
-        external_hash,
-    )
+    from kvmiss.enricher.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
 
     try:
         req = _decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InputError(str(exc)) from None
-    digests = None
-    if req.prompt_embeds_block_digests is not None:
-        digests = []
-        for i, text in enumerate(req.prompt_embeds_block_digests):
-            try:
-                digests.append(bytes.fromhex(text))
-            except ValueError:
-                raise InputError(f"not hex - at `$.prompt_embeds_block_digests[{i}]`") from None
     try:
-        extras = RequestExtras(
-            lora=None if req.lora is None else LoraRef(req.lora.name, req.lora.path),
-            mm_items=tuple(MMItem(m.id, m.offset, m.length) for m in req.mm),
-            cache_salt=req.cache_salt,
-            prompt_embeds_digests=None if digests is None else tuple(digests),
-        )
-    except HashingError as exc:  # only the mm spans can be wrong here
-        raise InputError(f"{exc} - at `$.mm`") from None
+        extras = extras_from_spec(req)
+    except HashingError as exc:
+        raise InputError(str(exc)) from None
     try:
         hasher = BlockHasher(
             req.algo,
