@@ -24,6 +24,7 @@ MIN_SECRET_BYTES = 16
 _KEY_ID_DOMAIN = b"kvmiss/digest-key-id/v1\x00"
 _KEY_PERSON = b"kvmiss.key.v1"  # BLAKE2b person: at most 16 bytes
 _BLOCK_PERSON = b"kvmiss.block.v1"
+_TEXT_PERSON = b"kvmiss.text.v1"
 
 _UINT64_LIMIT = 1 << 64
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -70,6 +71,12 @@ class DigestKey:
         mac = hashlib.blake2b(
             block_hash.to_bytes(8, "big"), key=self._key, digest_size=8, person=_BLOCK_PERSON
         )
+        return f"{self.key_id}:{mac.hexdigest()}"
+
+    def digest_text(self, value: str) -> str:
+        """``"<key_id>:<16 hex>"`` for an extra-key value (a salt, an adapter): comparable
+        within one deployment key, never reversible. Domain-separated from block digests."""
+        mac = hashlib.blake2b(value.encode(), key=self._key, digest_size=8, person=_TEXT_PERSON)
         return f"{self.key_id}:{mac.hexdigest()}"
 
 

@@ -1,0 +1,68 @@
+"""`kvmiss compare REFERENCE.json CANDIDATE.json`: where two prompt renderings stop sharing
+cached blocks (for application CI).
+
+Each file is a `kvmiss hash` input object (token ids plus extra keys; the engine settings
+``algo``/``seed``/``block_size`` are taken from the reference). Prints one JSON object:
+``identical_chain``, or ``diverged`` with the first differing block and token index, or the
+extra-key kinds that differ with keyed digests of each side. Token values and salts are
+never printed unless ``--show-snippet`` is given.
+
+Exit status: 0; 1 when the prompts diverge before ``--expect-shared-tokens``; 2 on bad input.
+Digests use the key in ``--digest-key-env`` when given, else a key made for this run (then
+they can only be compared within one output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+
+import msgspec
+
+from kvmiss.enricher.compare import compare, snippet
+from kvmiss.enricher.hashing import HashingError
+from kvmiss.enricher.privacy import DigestKey, DigestKeyError, load_digest_key
+from kvmiss.schemas.prompt import HashRequest
+
+_decoder = msgspec.json.Decoder(HashRequest)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("reference", help="reference prompt (kvmiss hash input JSON)")
+    parser.add_argument("candidate", help="candidate prompt (kvmiss hash input JSON)")
+    parser.add_argument("--expect-shared-tokens", type=int, default=None,
+                        help="exit 1 if the prompts share fewer cacheable tokens than this")
+    parser.add_argument("--digest-key-env", help="environment variable holding the digest secret")
+    parser.add_argument("--show-snippet", action="store_true",
+                        help="also print token ids around the divergence (prompt material!)")
+
+
+def _load(path: str, role: str) -> HashRequest:
+    try:
+        with open(path, "rb") as f:
+            return _decoder.decode(f.read())
+    except OSError as exc:
+        raise ValueError(f"{role} {path}: {exc.strerror}") from None
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"{role} {path}: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        reference = _load(args.reference, "reference")
+        candidate = _load(args.candidate, "candidate")
+        key = (load_digest_key(None, args.digest_key_env) if args.digest_key_env
+               else DigestKey(secrets.token_bytes(32)))
+        result = compare(reference, candidate, digest=lambda text: key.digest_text(text))
+    except (ValueError, HashingError, DigestKeyError) as exc:
+        print(f"kvmiss compare: {exc}", file=sys.stderr)
+        return 2
+    out = msgspec.to_builtins(result)
+    if args.show_snippet and result.first_differing_token is not None:
+        out["snippet"] = snippet(reference, candidate, result.first_differing_token)
+    print(json.dumps(out))
+    if args.expect_shared_tokens is not None and result.shared_tokens < args.expect_shared_tokens:
+        return 1
+    return 0
