@@ -91,9 +91,11 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
     block_size = m.block_size or default_block_size
     kinds = tuple(m.extra_key_kinds or ())
     chain = m.block_hashes
-    if chain is None and m.token_ids is not None and hasher is not None:
-        chain, extra_kinds = _hash_tokens(m, hasher, errors)
-        kinds = kinds or extra_kinds
+    spec = _extra_keys(m, errors)
+    if spec is not None:
+        kinds = kinds or spec.kinds()
+    if chain is None and m.token_ids is not None and hasher is not None and "kvmiss.extra_keys" not in errors:
+        chain = _hash_tokens(m.token_ids, spec, hasher, errors)
     lookup_time = m.lookup_time if m.lookup_time is not None else m.queue_lookup_time
     return RequestFacts(
         request_id=assembly.request_id or m.request_id,
@@ -109,22 +111,26 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         instance_hint=m.instance,
         route_policy=m.route_policy,
         predicted_cached_tokens=m.predicted_cached_tokens,
+        token_ids=m.token_ids,
+        extra_keys=spec,
     )
 
 
-def _hash_tokens(m: SpanFacts, hasher: BlockHasher, errors: list[str]) -> tuple[list[int] | None, tuple[str, ...]]:
-    extras = None
-    kinds: tuple[str, ...] = ()
-    if m.extra_keys is not None:
-        try:
-            parsed = _extra_keys_decoder.decode(m.extra_keys)
-            extras, kinds = extras_from_spec(parsed), parsed.kinds()
-        except (msgspec.ValidationError, msgspec.DecodeError, HashingError):
-            errors.append("kvmiss.extra_keys")
-            return None, ()
+def _extra_keys(m: SpanFacts, errors: list[str]) -> ExtraKeysSpec | None:
+    if m.extra_keys is None:
+        return None
     try:
-        digests = hasher.hash_request(m.token_ids, extras)  # type: ignore[arg-type]
+        return _extra_keys_decoder.decode(m.extra_keys)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        errors.append("kvmiss.extra_keys")
+        return None
+
+
+def _hash_tokens(tokens: list[int], spec: ExtraKeysSpec | None, hasher: BlockHasher,
+                 errors: list[str]) -> list[int] | None:
+    try:
+        extras = extras_from_spec(spec) if spec is not None else None
+        return [external_hash(d) for d in hasher.hash_request(tokens, extras)]
     except (HashingError, ValueError):
         errors.append("kvmiss.token_ids")
-        return None, kinds
-    return [external_hash(d) for d in digests], kinds
+        return None

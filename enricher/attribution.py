@@ -7,11 +7,21 @@ with the deployment's digest key and evidence options applied.
 
 from __future__ import annotations
 
+import msgspec
+
+from kvmiss.enricher.divergence import diverge
 from kvmiss.enricher.evidence import gather
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.privacy import DigestKey
 from kvmiss.enricher.verdict import attribute, lookup_limit_tokens
-from kvmiss.schemas.attribution import AttributionRecord, RequestFacts, Verdict
+from kvmiss.schemas.attribution import (
+    AttributionRecord,
+    Divergence,
+    Evidence,
+    Label,
+    RequestFacts,
+    Verdict,
+)
 
 
 class Attributor:
@@ -33,7 +43,24 @@ class Attributor:
             if needs_evidence else None
         )
         digest = self.digest_key.digest_block if self.digest_key is not None else None
-        return attribute(facts, evidence, digest=digest)
+        verdict = attribute(facts, evidence, digest=digest)
+        if verdict.label is Label.NO_MATCH and facts.token_ids is not None and evidence is not None:
+            divergence = self._divergence(facts, evidence, verdict.first_miss_block)
+            if divergence is not None:
+                verdict = msgspec.structs.replace(verdict, divergence=divergence)
+        return verdict
+
+    def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:
+        """Which sibling under the request's parent block it left, and how (None when the
+        index keeps no siblings or the miss is at the chain's root)."""
+        if not block or not facts.block_hashes or evidence.lookup_step_seq is None:
+            return None
+        view = next((v for v in self.index.views(facts.worker or "") if v.epoch == evidence.epoch), None)
+        if view is None or view.siblings is None:
+            return None
+        parent = facts.block_hashes[block - 1]
+        siblings = view.siblings.siblings(parent, evidence.lookup_step_seq)
+        return diverge(facts.token_ids, facts.extra_keys, block, facts.block_size, siblings)
 
     def record(self, facts: RequestFacts, *, trace_id: str | None = None) -> AttributionRecord:
         return AttributionRecord(

@@ -131,6 +131,7 @@ def gather(
     if step is None:
         return Evidence(history=History.LAGGING, **base)
     step_seq = step[0]
+    base["lookup_step_seq"] = step_seq
     run = view.run_containing(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)

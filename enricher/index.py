@@ -32,6 +32,7 @@ import collections
 from array import array
 from typing import Iterable, Iterator, NamedTuple
 
+from kvmiss.enricher.divergence import SiblingRegistry
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
@@ -172,7 +173,8 @@ class PrunedFilter:
 class EpochView:
     """Residency of one worker during one process lifetime."""
 
-    def __init__(self, worker: str, epoch: int, instance: str | None):
+    def __init__(self, worker: str, epoch: int, instance: str | None, *,
+                 divergence_detail: bool = False):
         self.worker = worker
         self.epoch = epoch
         self.instance = instance
@@ -188,6 +190,7 @@ class EpochView:
         self.pruned = PrunedFilter()
         self.horizon_ts: float | None = None  # records before this engine time may be gone
         self.first_ts: float | None = None
+        self.siblings = SiblingRegistry() if divergence_detail else None
 
     # --- applying -------------------------------------------------------------------
     # The hot path: every event of every worker passes here. Kept flat on purpose.
@@ -216,6 +219,8 @@ class EpochView:
             medium, table = found
             group = event.group_idx
             if cls is BlockStored:
+                if self.siblings is not None and medium == GPU:
+                    self.siblings.note(event, seq)
                 for h in event.block_hashes:
                     key = h if not group else (group, h)
                     size = len(table)
@@ -351,8 +356,9 @@ class ResidencyIndex:
     time; `prune(now_engine_ts)` applies it (call it periodically, not per batch)."""
 
     def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0,
-                 keep_previous_epochs: int = 1):
+                 keep_previous_epochs: int = 1, divergence_detail: bool = False):
         self.retention_s = retention_s
+        self.divergence_detail = divergence_detail
         self.keep_previous_epochs = keep_previous_epochs
         self.current: dict[str, EpochView] = {}
         self.previous: dict[str, collections.deque[EpochView]] = {}
@@ -365,7 +371,8 @@ class ResidencyIndex:
                 older = self.previous.setdefault(
                     batch.worker, collections.deque(maxlen=self.keep_previous_epochs))
                 older.appendleft(view)  # read-only from now on
-            view = self.current[batch.worker] = EpochView(batch.worker, batch.epoch, batch.instance)
+            view = self.current[batch.worker] = EpochView(
+                batch.worker, batch.epoch, batch.instance, divergence_detail=self.divergence_detail)
             self.tracked.add(batch.worker)
         view.apply(batch)
 

@@ -15,6 +15,8 @@ import enum
 
 import msgspec
 
+from kvmiss.schemas.prompt import ExtraKeysSpec
+
 
 class Label(str, enum.Enum):
     """The nine answers. `unknown_*` are first-class: counted and budgeted like the rest."""
@@ -110,6 +112,9 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     instance_hint: str | None = None  # e.g. resource service.instance.id
     route_policy: str | None = None
     predicted_cached_tokens: int | None = None
+    # Opt-in prompt material, for divergence detail only: used in memory, never written out.
+    token_ids: list[int] | None = None
+    extra_keys: ExtraKeysSpec | None = None
 
 
 class TierHolding(msgspec.Struct, frozen=True):
@@ -152,6 +157,7 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     gap_from_seq: int | None = None
     gap_to_seq: int | None = None
     applied_through_ts: float | None = None
+    lookup_step_seq: int | None = None  # the batch of the engine step containing the lookup
     # Fleet view at t.
     tiers: tuple[TierHolding, ...] = ()
     holders: tuple[Holder, ...] = ()
