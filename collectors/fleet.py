@@ -17,6 +17,7 @@ from kvmiss.schemas.config import WorkerSpec
 log = logging.getLogger("kvmiss.collectors")
 
 SUB, DEALER, MONITOR = "sub", "dealer", "monitor"
+TICK = "tick"  # a timer that came due: recorded so playback runs it at the same point
 RECONNECTED = b"reconnected"  # the one monitor fact a stream needs
 
 
@@ -49,6 +50,8 @@ class Fleet:
             actions = stream.on_replay(parse_replay(frames), request_id or 0, now)
         elif socket == MONITOR and frames == [RECONNECTED]:
             actions = stream.on_reconnect(now)
+        elif socket == TICK:
+            actions = stream.on_tick(now)
         else:
             return []
         return self._dispatch(worker, actions)
@@ -80,21 +83,26 @@ def play_recording(path: str, fleet: Fleet, stats: ReadStats | None = None) -> i
     """Feed a recording through ``fleet`` in file order; returns messages played.
 
     Replies are given to the replay request the stream is waiting on (the recording holds
-    what came back; nothing is sent). Timers run on the recorded receive times, so the same
-    file always yields the same applied batches.
+    what came back; nothing is sent). Timers: a recording made by `Subscriber` holds a
+    ``tick`` record wherever a timer came due, between the same two messages as live, and
+    only those run, so playback takes every time-out decision the live run took. A recording
+    without tick records (hand-made, or older) runs each due timer before the first message
+    received after it. Either way the same file always yields the same applied batches.
     """
+    recorded_ticks = any(m.socket == TICK for m in read_recording(path))
     played = 0
     for message in read_recording(path, stats):
-        _play_one(fleet, message)
+        _play_one(fleet, message, recorded_ticks)
         played += 1
     return played
 
 
-def _play_one(fleet: Fleet, message: RecordedMessage) -> None:
+def _play_one(fleet: Fleet, message: RecordedMessage, recorded_ticks: bool) -> None:
     stream = fleet.streams.get(message.worker)
     if stream is None:
         return
-    fleet.on_tick(message.recv_ts)
+    if not recorded_ticks:
+        fleet.on_tick(message.recv_ts)
     request_id = None
     if message.socket == DEALER:
         recovery = stream.state.recovery

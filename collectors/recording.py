@@ -28,8 +28,9 @@ _HEADER = struct.Struct("<II")
 
 
 class RecordedMessage(msgspec.Struct, array_like=True, frozen=True):
-    """One message as a socket delivered it. ``socket`` is "sub", "dealer" or "monitor"
-    (a connection fact); ``request_id`` names the replay request a dealer reply answers."""
+    """One message as a socket delivered it. ``socket`` is "sub", "dealer", "monitor" (a
+    connection fact) or "tick" (a timer came due here); ``request_id`` names the replay
+    request a dealer reply answers."""
 
     recv_ts: float
     worker: str

@@ -22,7 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvmiss.collectors.continuity import RequestReplay
-from kvmiss.collectors.fleet import DEALER, MONITOR, RECONNECTED, SUB, Fleet
+from kvmiss.collectors.fleet import DEALER, MONITOR, RECONNECTED, SUB, TICK, Fleet
 from kvmiss.collectors.frames import encode_replay_request
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
 
@@ -60,14 +60,19 @@ class Subscriber:
         self._connected_once: set[str] = set()
         self._disconnected: set[str] = set()
         self.ready = threading.Event()  # set once every socket is connected or bound
+        self.error: Exception | None = None  # why the sockets could not be opened
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Spawn the loop; raises what `run` could not open (a bad endpoint, a port in use)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self.run, name="kvmiss-collector", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve, name="kvmiss-collector", daemon=True)
             self._thread.start()
             self.ready.wait(10)
+            if self.error is not None:
+                raise self.error
 
     def shutdown(self, timeout: float = 5.0) -> bool:
         self._stop.set()
@@ -79,12 +84,24 @@ class Subscriber:
     def run(self) -> None:
         """The event loop; returns after `shutdown()`. Sockets live and die on this thread."""
         try:
-            self._open()
-            self.ready.set()
+            try:
+                self._open()
+            except Exception as exc:
+                self.error = exc
+                raise
+            finally:
+                self.ready.set()
             while not self._stop.is_set():
                 self._poll_once()
         finally:
             self._close()
+
+    def _serve(self) -> None:
+        try:
+            self.run()
+        except Exception as exc:
+            if exc is not self.error:  # an open failure is raised by start() instead
+                raise
 
     # --- sockets ---------------------------------------------------------------------------
 
@@ -99,12 +116,12 @@ class Subscriber:
             sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
             monitor = sub.get_monitor_socket(
                 zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            self._register(sub, SUB, spec.id)  # first, so a failed connect still closes them
+            self._register(monitor, MONITOR, spec.id)
             if spec.bind:
                 sub.bind(spec.sub_endpoint())
             else:
                 sub.connect(spec.sub_endpoint())
-            self._register(sub, SUB, spec.id)
-            self._register(monitor, MONITOR, spec.id)
 
     def _register(self, sock: zmq.Socket, role: str, worker: str, request_id: int | None = None) -> None:
         self._roles[sock] = (role, worker, request_id)
@@ -139,7 +156,13 @@ class Subscriber:
         for sock in sorted(ready, key=lambda s: self._roles.get(s, ("",))[0] != MONITOR):
             if sock in self._roles:
                 self._drain(sock)
-        for worker, replay in self.fleet.on_tick(self.clock()):
+        now = self.clock()
+        if self.recorder is not None:  # playback must run each timer at this same point
+            for worker, stream in self.fleet.streams.items():
+                due = stream.next_deadline
+                if due is not None and due <= now:
+                    self.recorder.write(RecordedMessage(now, worker, TICK, []))
+        for worker, replay in self.fleet.on_tick(now):
             self._send_replay(worker, replay)
 
     def _drain(self, sock: zmq.Socket) -> None:

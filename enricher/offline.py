@@ -14,7 +14,7 @@ from typing import IO, Iterable, Iterator
 import msgspec
 
 from kvmiss.collectors.continuity import Apply
-from kvmiss.collectors.fleet import DEALER, Fleet, play_recording
+from kvmiss.collectors.fleet import DEALER, TICK, Fleet, play_recording
 from kvmiss.collectors.recording import ReadStats, read_recording
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.index import ResidencyIndex
@@ -26,11 +26,11 @@ _request_decoder = msgspec.json.Decoder(RequestFacts)
 
 
 def workers_in_recording(path: str) -> list[WorkerSpec]:
-    """Worker specs inferred from a recording: every worker seen; replay where replies were
-    recorded (endpoints are not needed to play a recording back)."""
+    """Worker specs inferred from a recording: every worker seen; replay where replies or
+    replay timers were recorded (endpoints are not needed to play a recording back)."""
     seen: dict[str, bool] = {}
     for message in read_recording(path):
-        seen[message.worker] = seen.get(message.worker, False) or message.socket == DEALER
+        seen[message.worker] = seen.get(message.worker, False) or message.socket in (DEALER, TICK)
     return [WorkerSpec(id=w, endpoint="recorded", replay_endpoint="recorded" if replay else None)
             for w, replay in sorted(seen.items())]
 

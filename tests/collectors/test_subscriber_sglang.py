@@ -6,7 +6,7 @@ import queue
 import time
 
 import pytest
-from sglang_publisher import batch, publisher
+from sglang_publisher import batch, close, publisher
 from zmq_ports import free_tcp
 
 from kvmiss.collectors.continuity import Apply
@@ -40,7 +40,7 @@ def sglang_worker():
     pub_ep, replay_ep = free_tcp(), free_tcp()
     pub = publisher(endpoint=pub_ep, replay_endpoint=replay_ep)
     yield pub, WorkerSpec(id="w0", endpoint=pub_ep, replay_endpoint=replay_ep)
-    pub.shutdown()
+    close(pub)
 
 
 def test_every_batch_of_the_real_publisher_is_applied_once_in_order(sglang_worker):

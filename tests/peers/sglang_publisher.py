@@ -7,6 +7,7 @@ environment does this). Only `sglang.srt.disaggregation.kv_events` runs, unmodif
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import sys
 import types
@@ -41,6 +42,13 @@ def publisher(*, endpoint: str, replay_endpoint: str | None, dp_rank: int = 0,
         attn_dp_rank=dp_rank, endpoint=endpoint, replay_endpoint=replay_endpoint,
         buffer_steps=buffer_steps, topic=topic, bind=True,
     )
+
+
+def close(pub) -> None:
+    """Shut a publisher down for good. SGLang registers shutdown() with atexit; a second call
+    on a closed publisher waits a full second at interpreter exit for a queue nobody drains."""
+    pub.shutdown()
+    atexit.unregister(pub.shutdown)
 
 
 def batch(ts: float, stored=(), removed=(), cleared=False, dp_rank: int = 0):
