@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("decode_cmd", "decode captured KV-event frames (JSON lines in/out)"),
     "hash": ("hash_cmd", "compute vLLM-compatible block hashes for one request (JSON in/out)"),
     "attribute": ("attribute_cmd", "offline attribution: a KV-event recording + request records"),
+    "serve": ("serve_cmd", "run the enricher: KV-event collectors, residency index, OTLP in and out, metrics"),
     "compare": ("compare_cmd", "where two prompt renderings stop sharing cached blocks (for CI)"),
     "collect": ("collect_cmd", "subscribe to the configured workers' KV events; record them and report stream health"),
     "replay-size": ("replay_size_cmd", "minimum replay window (batches) for a peak rate and outage"),

@@ -1,0 +1,71 @@
+"""`kvmiss serve --config kvmiss.toml`: the enricher service (see README, "Configuration").
+
+Flags override the file: ``--otlp-grpc``, ``--otlp-http``, ``--export``, ``--metrics``.
+Runs until SIGINT or SIGTERM, then stops intake, judges what it holds, flushes the
+exporters and exits. A bad configuration exits with status 2 and a message naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from kvmiss.schemas.config import ConfigError, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="kvmiss.toml")
+    parser.add_argument("--otlp-grpc", help="OTLP/gRPC listen address (overrides [otlp] grpc)")
+    parser.add_argument("--otlp-http", help="OTLP/HTTP listen address (overrides [otlp] http)")
+    parser.add_argument("--export", help="downstream OTLP endpoint (overrides [export] endpoint)")
+    parser.add_argument("--metrics", help="metrics/health listen address (overrides [metrics] listen)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _with_overrides(config, args):
+    otlp = msgspec.structs.replace(config.otlp, **{k: v for k, v in (
+        ("grpc", args.otlp_grpc), ("http", args.otlp_http)) if v is not None})
+    export = config.export if args.export is None else msgspec.structs.replace(config.export, endpoint=args.export)
+    metrics = config.metrics if args.metrics is None else msgspec.structs.replace(config.metrics, listen=args.metrics)
+    return msgspec.structs.replace(config, otlp=otlp, export=export, metrics=metrics)
+
+
+async def _serve(config) -> None:
+    from kvmiss.enricher.service import Service
+
+    service = Service(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    print(f"kvmiss serve: OTLP grpc :{service.receivers.grpc_port} http :{service.receivers.http_port}, "
+          f"metrics :{service.metrics_port}", file=sys.stderr, flush=True)
+    await stop.wait()
+    await service.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        config = _with_overrides(load_config(args.config), args)
+    except ConfigError as exc:
+        print(f"kvmiss serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(config))
+    except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad endpoint
+        print(f"kvmiss serve: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - anything else is reported, never a traceback storm
+        logging.getLogger("kvmiss.serve").exception("kvmiss serve failed")
+        print(f"kvmiss serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0

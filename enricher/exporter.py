@@ -1,0 +1,420 @@
+"""Forwarding enriched requests downstream: OTLP exporters and the `ExportQueue` before them.
+
+The exporters send the ``ExportTraceServiceRequest`` itself (never SDK spans: that would be
+lossy and ~50x slower) and classify the answer once into an `ExportResult`:
+
+- `HttpExporter`: POST the serialized request, gzip, to ``<endpoint>/v1/traces``;
+  429/502/503/504 and network errors are RETRYABLE (honouring ``Retry-After``), other
+  non-2xx PERMANENT.
+- `GrpcExporter`: ``grpc://host:port`` (``grpcs://`` for TLS), stub ``Export``, gzip; the OTLP
+  retryable codes are RETRYABLE (honouring ``google.rpc.RetryInfo``), RESOURCE_EXHAUSTED only
+  with RetryInfo, the rest PERMANENT.
+- `JsonLinesFileExporter`: one request per line in OTLP/JSON (hex ids), for local runs.
+
+`ExportQueue` is the one place that retries: a FIFO bounded by spans, drained in order by
+one worker task with exponential backoff; every span ends up counted as sent, failed or
+dropped, by reason.
+
+Thread contract: everything here lives on one event loop; call every method from it. An
+exporter's ``export`` is awaited by one queue worker at a time and never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import email.utils
+import json
+import logging
+import random
+import time
+import zlib
+from typing import Iterable
+
+import aiohttp
+import grpc
+from google.protobuf import json_format
+from google.rpc import error_details_pb2, status_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from kvmiss.enricher.otlp import ExportResult, Outcome, TracesExporter, span_count
+from kvmiss.schemas.config import ExportConfig
+
+log = logging.getLogger(__name__)
+
+SENT = ExportResult(Outcome.ACCEPTED)
+RETRYABLE_HTTP_STATUS = frozenset({429, 502, 503, 504})
+# The OTLP spec's retryable codes; RESOURCE_EXHAUSTED is retryable only with RetryInfo.
+_C = grpc.StatusCode
+RETRYABLE_GRPC_CODES = frozenset({_C.CANCELLED, _C.DEADLINE_EXCEEDED, _C.ABORTED, _C.OUT_OF_RANGE, _C.UNAVAILABLE, _C.DATA_LOSS})
+GZIP_LEVEL = 1  # ~3x faster than the default 6 for OTLP protobuf, ~10% larger: CPU is scarcer
+THREAD_COMPRESS_BYTES = 64 * 1024  # below it, a thread hop (~50 us) costs more than it frees
+
+
+def classify_http(status: int, retry_after: str | None, message: str = "") -> ExportResult:
+    """An OTLP/HTTP response status (and its ``Retry-After`` header) as an outcome."""
+    if 200 <= status < 300:
+        return SENT
+    text = f"HTTP {status}" + (f": {message[:200]}" if message else "")
+    if status in RETRYABLE_HTTP_STATUS:
+        return ExportResult(Outcome.RETRYABLE, text, parse_retry_after(retry_after))
+    return ExportResult(Outcome.PERMANENT, text)
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """``Retry-After`` as seconds from now: delta-seconds or an HTTP-date; None if absent/bad."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+def classify_grpc(code: grpc.StatusCode, trailing_metadata: Iterable | None, details: str = "") -> ExportResult:
+    """A gRPC status (and its ``grpc-status-details-bin`` trailer) as an outcome."""
+    if code is grpc.StatusCode.OK:
+        return SENT
+    delay = retry_info_delay(trailing_metadata)
+    text = f"gRPC {code.name}" + (f": {details[:200]}" if details else "")
+    if code in RETRYABLE_GRPC_CODES or (code is grpc.StatusCode.RESOURCE_EXHAUSTED and delay is not None):
+        return ExportResult(Outcome.RETRYABLE, text, delay)
+    return ExportResult(Outcome.PERMANENT, text)
+
+
+def retry_info_delay(trailing_metadata: Iterable | None) -> float | None:
+    """Seconds from a ``google.rpc.RetryInfo`` in the status details trailer, if any."""
+    for key, value in trailing_metadata or ():
+        if key != "grpc-status-details-bin":
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except Exception:  # a garbled trailer is no reason to fail the export path
+            return None
+        for detail in status.details:
+            info = error_details_pb2.RetryInfo()
+            if detail.Unpack(info):
+                return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
+
+
+def _log_partial_success(response: ExportTraceServiceResponse, where: str) -> None:
+    partial = response.partial_success
+    if partial.rejected_spans:
+        log.warning("%s rejected %d span(s): %s", where, partial.rejected_spans, partial.error_message)
+
+
+class HttpExporter:
+    """OTLP/HTTP protobuf exporter. ``endpoint``: ``http(s)://host:port`` (``/v1/traces`` is
+    appended unless already there); ``timeout_s`` bounds one attempt."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", headers: dict | None = None) -> None:
+        endpoint = endpoint.rstrip("/")
+        self.url = endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._gzip = compression == "gzip"
+        self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
+        if self._gzip:
+            self._headers["Content-Encoding"] = "gzip"
+        self._session: aiohttp.ClientSession | None = None
+
+    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+        if self._session is None:  # created here: a ClientSession belongs to the running loop
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=8))
+        body = request.SerializeToString()
+        if self._gzip:
+            # zlib releases the GIL: on a big body, a thread lets the loop keep receiving.
+            if len(body) > THREAD_COMPRESS_BYTES:
+                body = await asyncio.to_thread(zlib.compress, body, GZIP_LEVEL, 31)  # 31: gzip framing
+            else:
+                body = zlib.compress(body, GZIP_LEVEL, 31)
+        try:
+            async with self._session.post(self.url, data=body, headers=self._headers) as response:
+                payload = await response.read()
+                status, retry_after = response.status, response.headers.get("Retry-After")
+                ctype = response.content_type
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            # Connection refused/reset, timeouts: the downstream is (for now) unavailable.
+            return ExportResult(Outcome.RETRYABLE, f"{type(exc).__name__}: {exc}")
+        if 200 <= status < 300 and payload and ctype == "application/x-protobuf":
+            with contextlib.suppress(Exception):  # accepted either way; an odd body changes nothing
+                _log_partial_success(ExportTraceServiceResponse.FromString(payload), self.url)
+        return classify_http(status, retry_after, _status_message(payload, ctype) if status >= 300 else "")
+
+    async def shutdown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _status_message(payload: bytes, ctype: str) -> str:
+    if ctype != "application/x-protobuf":
+        return payload.decode("utf-8", "replace")
+    with contextlib.suppress(Exception):
+        return status_pb2.Status.FromString(payload).message
+    return ""
+
+
+class GrpcExporter:
+    """OTLP/gRPC exporter. ``endpoint``: ``grpc://host:port`` (plaintext) or ``grpcs://``."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", metadata: tuple = ()) -> None:
+        scheme, _, self.target = endpoint.partition("://")
+        if scheme not in ("grpc", "grpcs") or not self.target:
+            raise ValueError(f"gRPC endpoint must be grpc://host:port or grpcs://host:port, got {endpoint!r}")
+        self._secure = scheme == "grpcs"
+        self._timeout = timeout_s
+        self._compression = grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
+        self._metadata = metadata
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: trace_service_pb2_grpc.TraceServiceStub | None = None
+
+    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+        if self._stub is None:  # created here: an aio channel belongs to the running loop
+            # grpc's own reconnect backoff grows to 120 s by default; the queue retries on its
+            # own schedule, so keep the channel's short or a recovered sink stays unseen.
+            options = [("grpc.max_reconnect_backoff_ms", 5_000), ("grpc.initial_reconnect_backoff_ms", 500)]
+            if self._secure:
+                self._channel = grpc.aio.secure_channel(self.target, grpc.ssl_channel_credentials(), options=options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=options)
+            self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
+        try:
+            response = await self._stub.Export(
+                request, timeout=self._timeout, compression=self._compression, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            return classify_grpc(exc.code(), exc.trailing_metadata(), exc.details() or "")
+        _log_partial_success(response, self.target)
+        return SENT
+
+    async def shutdown(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+
+def to_otlp_json(request: ExportTraceServiceRequest) -> str:
+    """One request as compact OTLP/JSON: hex trace/span ids, integer enums, camelCase keys.
+    Slow (pure-Python json_format, ~0.3 ms/span): for files and debugging only."""
+    document = json_format.MessageToDict(request, use_integers_for_enums=True)
+    for resource_spans in document.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                _base64_to_hex(span, ("traceId", "spanId", "parentSpanId"))
+                for link in span.get("links", ()):
+                    _base64_to_hex(link, ("traceId", "spanId"))
+    return json.dumps(document, separators=(",", ":"))
+
+
+def _base64_to_hex(obj: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if key in obj:
+            obj[key] = base64.b64decode(obj[key]).hex()
+
+
+class JsonLinesFileExporter:
+    """Appends each request as one OTLP/JSON line to ``path`` (flushed per request).
+
+    Conversion and the write run in a worker thread so the loop keeps serving; a failed
+    write is PERMANENT (retrying will not fix a full disk soon enough)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = None
+
+    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+        try:
+            await asyncio.to_thread(self._write, request)
+        except (OSError, ValueError) as exc:
+            return ExportResult(Outcome.PERMANENT, f"{self.path}: {exc}")
+        return SENT
+
+    def _write(self, request: ExportTraceServiceRequest) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(to_otlp_json(request) + "\n")
+        self._file.flush()
+
+    async def shutdown(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def build_exporters(config: ExportConfig) -> list[TracesExporter]:
+    """The exporters ``[export]`` asks for (network endpoint, file, both or none).
+
+    Give each its own `ExportQueue`: a retrying network sink must not rewrite file lines."""
+    exporters: list[TracesExporter] = []
+    if config.endpoint:
+        scheme = config.endpoint.partition("://")[0]
+        if scheme in ("http", "https"):
+            exporters.append(HttpExporter(config.endpoint, timeout_s=config.timeout_s))
+        elif scheme in ("grpc", "grpcs"):
+            exporters.append(GrpcExporter(config.endpoint, timeout_s=config.timeout_s))
+        else:
+            raise ValueError(f"export.endpoint must start with http://, https://, grpc:// or grpcs://, got {config.endpoint!r}")
+    if config.file:
+        exporters.append(JsonLinesFileExporter(config.file))
+    return exporters
+
+
+class ExportQueue:
+    """A FIFO of requests in front of one exporter, bounded by ``max_spans``, drained in
+    order by one worker task that retries RETRYABLE results with exponential backoff.
+
+    Backoff starts at ``initial_backoff_s``, doubles up to ``max_backoff_s`` with +-20 %
+    jitter; a delay the server asked for (Retry-After / RetryInfo) is used as given. A request
+    still failing after ``max_elapsed_s`` is given up. Counters (spans): ``sent_spans``;
+    ``failed_spans`` by reason (``permanent``, ``retries_exhausted``, ``exporter_error``);
+    ``dropped_spans`` by reason (``queue_full``, ``already_shutdown``, ``shutdown``);
+    ``retries`` counts attempts after the first.
+    """
+
+    def __init__(self, exporter: TracesExporter, *, max_spans: int = 200_000, initial_backoff_s: float = 1.0,
+                 max_backoff_s: float = 30.0, max_elapsed_s: float = 300.0) -> None:  # fmt: skip
+        self.exporter = exporter
+        self.max_spans = max_spans
+        self._initial_backoff = initial_backoff_s
+        self._max_backoff = max_backoff_s
+        self._max_elapsed = max_elapsed_s
+        # (request, spans); the head stays in the deque while it is being exported, so the
+        # bound also covers the request in flight.
+        self._items: collections.deque[tuple[ExportTraceServiceRequest, int]] = collections.deque()
+        self.queued_spans = 0
+        self._put_seq = 0  # requests ever queued
+        self._done_seq = 0  # requests finished (sent, failed or dropped)
+        self._flush_waiters: list[tuple[int, asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+        self._closing = False
+        self._shutdown: asyncio.Task | None = None
+        self.sent_spans = 0
+        self.failed_spans: collections.Counter[str] = collections.Counter()
+        self.dropped_spans: collections.Counter[str] = collections.Counter()
+        self.retries = 0
+
+    async def start(self) -> None:
+        """Start the worker on the running loop (requests put before are kept)."""
+        if self._worker is None and not self._closing:
+            self._worker = asyncio.get_running_loop().create_task(self._run(), name="kvmiss-export-queue")
+
+    def has_capacity(self, n_spans: int) -> bool:
+        """Whether `put` of ``n_spans`` would be taken now; the pipeline answers RETRYABLE
+        upstream when not. An empty queue takes any size, so one huge request cannot wedge."""
+        return not self._closing and (self.queued_spans == 0 or self.queued_spans + n_spans <= self.max_spans)
+
+    def put(self, request: ExportTraceServiceRequest, n_spans: int | None = None) -> bool:
+        """Queue ``request`` (the queue owns it from now on). Never blocks; returns False,
+        counting the spans as dropped, when full or shut down."""
+        n = span_count(request) if n_spans is None else n_spans
+        if self._closing:
+            self.dropped_spans["already_shutdown"] += n
+            return False
+        if not self.has_capacity(n):
+            if not self.dropped_spans["queue_full"]:
+                log.warning("export queue full (%d spans): refusing requests; counted as queue_full", self.max_spans)
+            self.dropped_spans["queue_full"] += n
+            return False
+        self._items.append((request, n))
+        self.queued_spans += n
+        self._put_seq += 1
+        self._wakeup.set()
+        return True
+
+    async def force_flush(self, timeout: float) -> bool:
+        """Wait until every request queued before this call is finished (sent or failed);
+        False if ``timeout`` seconds passed first (or the worker is not running)."""
+        if self._done_seq >= self._put_seq:
+            return True
+        if self._worker is None or self._worker.done():
+            return False
+        waiter = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append((self._put_seq, waiter))
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, flush for up to ``timeout`` s, drop (and count) what is left,
+        shut the exporter down. Safe to call twice or without `start`."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._close(timeout))
+        await asyncio.shield(self._shutdown)
+
+    async def _close(self, timeout: float) -> None:
+        self._closing = True
+        flushed = await self.force_flush(timeout)
+        if self._worker is not None:
+            self._worker.cancel()  # idle or stuck retrying: either way it is done now
+            await asyncio.gather(self._worker, return_exceptions=True)
+        if not flushed and self._items:
+            log.warning("export queue: %d spans not sent within %.1f s of shutdown; dropped", self.queued_spans, timeout)
+        while self._items:
+            _, n = self._items.popleft()
+            self.dropped_spans["shutdown"] += n
+            self._finished(n)
+        await self.exporter.shutdown()
+
+    async def _run(self) -> None:
+        while True:
+            if not self._items:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            request, n = self._items[0]
+            await self._export(request, n)
+            self._items.popleft()
+            self._finished(n)
+
+    def _finished(self, n: int) -> None:
+        self.queued_spans -= n
+        self._done_seq += 1
+        while self._flush_waiters and self._flush_waiters[0][0] <= self._done_seq:
+            _, waiter = self._flush_waiters.pop(0)
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _export(self, request: ExportTraceServiceRequest, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        backoff = self._initial_backoff
+        while True:
+            try:
+                result = await self.exporter.export(request)
+            except Exception:  # exporters must not raise; if one does, do not loop on a bug
+                log.exception("exporter %r raised; %d spans failed", self.exporter, n)
+                self.failed_spans["exporter_error"] += n
+                return
+            if result.outcome is Outcome.ACCEPTED:
+                self.sent_spans += n
+                return
+            if result.outcome is Outcome.PERMANENT:
+                log.warning("export failed permanently, %d spans dropped: %s", n, result.message)
+                self.failed_spans["permanent"] += n
+                return
+            if result.retry_after_s is not None:
+                delay = result.retry_after_s  # the server knows its load better than we do
+            else:
+                delay = backoff * random.uniform(0.8, 1.2)
+                backoff = min(backoff * 2, self._max_backoff)
+            if loop.time() + delay - started > self._max_elapsed:
+                log.warning("export still failing after %.0f s, %d spans dropped: %s", self._max_elapsed, n, result.message)
+                self.failed_spans["retries_exhausted"] += n
+                return
+            log.info("export retryable (%s); retrying in %.2f s", result.message, delay)
+            self.retries += 1
+            await asyncio.sleep(delay)

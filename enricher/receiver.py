@@ -1,0 +1,424 @@
+"""OTLP trace receivers: OTLP/gRPC and OTLP/HTTP (protobuf and JSON) on one asyncio loop.
+
+Both decode an ``ExportTraceServiceRequest``, drop spans with malformed ids
+(`drop_invalid_spans`, the one validation both share), hand the rest to a `TracesConsumer`
+and map its `ConsumeResult` to the wire. This module is the only place that mapping lives:
+
+==========  ===========================================  ======================================
+outcome     gRPC                                         HTTP
+==========  ===========================================  ======================================
+ACCEPTED    OK; ``partial_success`` iff spans rejected    200; same body, request's content type
+RETRYABLE   UNAVAILABLE + ``google.rpc.RetryInfo``        503 + ``Retry-After`` (integer s, >= 1)
+PERMANENT   INVALID_ARGUMENT                             400
+==========  ===========================================  ======================================
+
+HTTP also answers 415 (content type or encoding not supported), 413 (body larger than
+``OtlpConfig.max_body_bytes`` after gunzip; not retryable) and 400 (malformed body). Error
+bodies are a ``google.rpc.Status`` in the request's content type, as OTLP/HTTP asks.
+
+Thread contract: `Receivers` lives on one event loop; construct it anywhere, call `start`,
+`shutdown` and read `stats` from that loop only. The consumer is awaited on the same loop
+and must not block it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import json
+import logging
+import math
+import socket
+import zlib
+
+import grpc
+from aiohttp import web
+from google.protobuf import any_pb2, duration_pb2, json_format
+from google.protobuf.internal import api_implementation
+from google.protobuf.message import DecodeError, Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from kvmiss.enricher.otlp import ConsumeResult, Outcome, TracesConsumer, span_count
+from kvmiss.schemas.config import OtlpConfig
+
+log = logging.getLogger(__name__)
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+TRACES_PATH = "/v1/traces"
+DEFAULT_RETRY_AFTER_S = 1.0  # when a consumer says RETRYABLE without a delay
+_GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+_THREAD_GUNZIP_BYTES = 32 * 1024  # below it, a thread hop (~50 us) costs more than it frees
+_INTERNAL = ConsumeResult(Outcome.PERMANENT, message="internal error")  # marker, see _deliver
+
+
+def drop_invalid_spans(request: ExportTraceServiceRequest) -> int:
+    """Remove, in place, spans whose trace id is not 16 bytes or span id not 8 bytes.
+
+    Returns how many were removed; the rest of the request is untouched (OTLP partial
+    success: the sender is told the count and must not retry). Costs ~0.4 us/span.
+    """
+    rejected = 0
+    for resource_spans in request.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            spans = scope_spans.spans
+            bad = [i for i, s in enumerate(spans) if len(s.trace_id) != 16 or len(s.span_id) != 8]
+            for i in reversed(bad):  # from the end, so earlier indexes stay valid
+                del spans[i]
+            rejected += len(bad)
+    return rejected
+
+
+def parse_otlp_json(body: bytes) -> ExportTraceServiceRequest:
+    """Decode an OTLP/JSON body: like protobuf JSON, but ids are hex and enums may be ints.
+
+    Unknown fields are ignored (newer senders). Raises ValueError on anything malformed.
+    About 300-550 us/span: meant for debugging volumes, not production traffic.
+    """
+    document = json.loads(body)
+    if not isinstance(document, dict):
+        raise ValueError("OTLP/JSON body must be an object")
+    for resource_spans in _items(document, "resourceSpans", "resource_spans"):
+        for scope_spans in _items(resource_spans, "scopeSpans", "scope_spans"):
+            for span in _items(scope_spans, "spans", "spans"):
+                _hex_to_base64(span, ("traceId", "trace_id", "spanId", "span_id", "parentSpanId", "parent_span_id"))
+                for link in _items(span, "links", "links"):
+                    _hex_to_base64(link, ("traceId", "trace_id", "spanId", "span_id"))
+    request = ExportTraceServiceRequest()
+    try:
+        json_format.ParseDict(document, request, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise ValueError(str(exc)) from None
+    return request
+
+
+def _items(obj: object, camel: str, snake: str) -> list:
+    # Non-lists are left alone here: ParseDict then reports them with their path.
+    value = obj.get(camel, obj.get(snake)) if isinstance(obj, dict) else None
+    return value if isinstance(value, list) else []
+
+
+def _hex_to_base64(obj: object, keys: tuple[str, ...]) -> None:
+    if not isinstance(obj, dict):
+        return
+    for key in keys:
+        value = obj.get(key)
+        if isinstance(value, str):
+            try:
+                obj[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
+            except ValueError:
+                raise ValueError(f"{key} is not hex: {value[:40]!r}") from None
+
+
+def retry_status_details(message: str, retry_after_s: float) -> bytes:
+    """A serialized ``google.rpc.Status`` (UNAVAILABLE) carrying a ``RetryInfo`` delay,
+    the value of the ``grpc-status-details-bin`` trailer."""
+    seconds = max(0.0, retry_after_s)
+    delay = duration_pb2.Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message, details=[detail]).SerializeToString()
+
+
+def check_protobuf_backend() -> str:
+    """Return the protobuf backend; warn loudly unless it is upb (pure Python is ~60x slower)."""
+    backend = api_implementation.Type()
+    if backend != "upb":
+        log.warning(
+            "!!! protobuf is using the %r backend, not 'upb': OTLP parsing and serialization will "
+            "be ~60x slower. Install a protobuf wheel with upb and unset "
+            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION. !!!",
+            backend,
+        )
+    return backend
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    """``"host:port"``, ``"[::1]:port"``, ``":port"`` or ``"port"`` -> (host, port); a missing
+    host means loopback (never all interfaces by accident)."""
+    host, _, port = address.strip().rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+class _Rejected(Exception):
+    """An HTTP request that is answered with an error status (never leaves this module)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason = status, reason
+
+
+class Receivers:
+    """The OTLP/gRPC and OTLP/HTTP receivers of one process, sharing one consumer.
+
+    ``config.grpc`` / ``config.http`` are listen addresses (None or "" disables that
+    receiver; port 0 picks a free port, see `grpc_port` / `http_port`). ``stats`` counts
+    requests and spans by outcome and reason (read it at scrape time).
+    """
+
+    def __init__(self, config: OtlpConfig, consumer: TracesConsumer) -> None:
+        self._config = config
+        self._consumer = consumer
+        self._max_body = config.max_body_bytes
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._grpc_server: grpc.aio.Server | None = None
+        self._http_runner: web.AppRunner | None = None
+        self._in_flight = 0  # HTTP requests being handled, for a graceful shutdown
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self._shutdown: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Bind and start serving; returns once both listen. Raises OSError/RuntimeError
+        when an address cannot be bound (nothing is left running then)."""
+        check_protobuf_backend()
+        try:
+            if self._config.grpc:
+                await self._start_grpc(self._config.grpc)
+            if self._config.http:
+                await self._start_http(self._config.http)
+        except BaseException:
+            await self.shutdown(0)
+            raise
+        log.info("OTLP receivers listening: grpc=%s http=%s", self.grpc_port, self.http_port)
+
+    async def shutdown(self, grace: float = 5.0) -> None:
+        """Stop accepting, give in-flight requests ``grace`` seconds, then cancel them.
+        Safe before `start` and when called twice (the second call awaits the first)."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._stop(grace))
+        await asyncio.shield(self._shutdown)
+
+    async def _stop(self, grace: float) -> None:
+        grace = max(0.0, grace)
+        if self._http_runner is not None:
+            for site in list(self._http_runner.sites):
+                await site.stop()  # closes the listening socket only
+        waits = [self._stop_http(grace)]
+        if self._grpc_server is not None:
+            waits.append(self._grpc_server.stop(grace))
+        await asyncio.gather(*waits)  # both drain within the same grace period
+
+    async def _stop_http(self, grace: float) -> None:
+        if self._http_runner is None:
+            return
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("OTLP/HTTP: %d requests still in flight after %.1f s; cancelling", self._in_flight, grace)
+        await self._http_runner.cleanup()
+
+    # -- shared by both receivers ------------------------------------------------------
+
+    async def _deliver(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+        self.stats["requests"] += 1
+        rejected = drop_invalid_spans(request)
+        if rejected:
+            self.stats["spans_rejected_invalid_id"] += rejected
+        n_spans = span_count(request)
+        self.stats["spans_received"] += n_spans + rejected
+        if n_spans == 0:  # nothing left to hand on (empty request, or every span bad)
+            result = ConsumeResult(Outcome.ACCEPTED)
+        else:
+            try:
+                result = await self._consumer.consume(request)
+            except Exception:  # a consumer bug: answer 500/INTERNAL, never make senders retry it
+                log.exception("OTLP consumer raised; answering INTERNAL")
+                self.stats["requests_consumer_error"] += 1
+                return _INTERNAL
+        self.stats[f"requests_{result.outcome.value}"] += 1
+        if result.outcome is Outcome.ACCEPTED:
+            self.stats["spans_accepted"] += n_spans - result.rejected_spans
+        if rejected and result.outcome is Outcome.ACCEPTED:
+            why = f"{rejected} span(s) with a trace id not 16 bytes or a span id not 8 bytes"
+            message = "; ".join(m for m in (why, result.message) if m)
+            result = ConsumeResult(Outcome.ACCEPTED, rejected_spans=result.rejected_spans + rejected, message=message)
+        return result
+
+    # -- gRPC ----------------------------------------------------------------------------
+
+    async def _start_grpc(self, address: str) -> None:
+        host, port = parse_listen(address)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self._max_body),  # default 4 MiB is too small
+                ("grpc.so_reuseport", 0),  # else a second kvmiss silently shares the port
+            ]
+        )
+        # Registered by hand with a bytes-in handler so that a corrupt body is answered
+        # INVALID_ARGUMENT here; grpcio's own deserializer would answer UNKNOWN.
+        servicer = _TraceService(self)
+        handler = grpc.unary_unary_rpc_method_handler(
+            servicer.Export, request_deserializer=None, response_serializer=ExportTraceServiceResponse.SerializeToString
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_GRPC_SERVICE, {"Export": handler}),))
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if bound == 0:  # older grpcio returns 0 instead of raising
+            raise OSError(f"OTLP/gRPC: cannot listen on {address}")
+        await server.start()
+        self._grpc_server, self.grpc_port = server, bound
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    async def _start_http(self, address: str) -> None:
+        host, port = parse_listen(address)
+        app = web.Application()
+        app.router.add_post(TRACES_PATH, self._handle_http)
+        # auto_decompress off: we gunzip ourselves with the size cap (no gzip bombs);
+        # shutdown_timeout short: `_stop` already waited out the grace period.
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False, shutdown_timeout=0.1)
+        await runner.setup()
+        self._http_runner = runner
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # SO_REUSEADDR (restart over TIME_WAIT), never SO_REUSEPORT (silent port sharing).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        await web.SockSite(runner, sock, backlog=512).start()
+        self.http_port = sock.getsockname()[1]
+
+    async def _handle_http(self, http_request: web.Request) -> web.Response:
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._answer_http(http_request)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def _answer_http(self, http_request: web.Request) -> web.Response:
+        ctype = http_request.content_type  # lowercased, parameters stripped
+        try:
+            if ctype not in (PROTOBUF, JSON):
+                raise _Rejected(415, "unsupported_media_type", f"Content-Type must be {PROTOBUF} or {JSON}")
+            encoding = http_request.headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding not in ("gzip", "identity", ""):
+                raise _Rejected(415, "unsupported_encoding", "Content-Encoding must be gzip or identity")
+            if encoding == "gzip":
+                self.stats["http_requests_gzip"] += 1
+            body = await self._read_body(http_request, gzipped=encoding == "gzip")
+            request = self._decode(body, ctype)
+        except _Rejected as rejected:
+            self.stats[f"requests_{rejected.reason}"] += 1
+            return self._http_error(rejected.status, str(rejected), ctype)
+        result = await self._deliver(request)
+        if result is _INTERNAL:
+            return self._http_error(500, result.message, ctype)
+        if result.outcome is Outcome.RETRYABLE:
+            seconds = result.retry_after_s if result.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
+            headers = {"Retry-After": str(max(1, math.ceil(seconds)))}
+            return self._http_error(503, result.message or "try again later", ctype, headers)
+        if result.outcome is Outcome.PERMANENT:
+            return self._http_error(400, result.message or "rejected", ctype)
+        response = ExportTraceServiceResponse()
+        if result.rejected_spans > 0:
+            response.partial_success.rejected_spans = result.rejected_spans
+            response.partial_success.error_message = result.message
+        return web.Response(body=_encode(response, ctype), content_type=ctype)
+
+    async def _read_body(self, http_request: web.Request, *, gzipped: bool) -> bytes:
+        # The compressed size may exceed the decompressed one a little (incompressible data).
+        limit = self._max_body + self._max_body // 64 + 1024 if gzipped else self._max_body
+        too_large = _Rejected(413, "too_large", f"body larger than {self._max_body} bytes")
+        if http_request.content_length is not None and http_request.content_length > limit:
+            raise too_large  # aiohttp then drains (lingers) so the client reads the answer
+        chunks, size = [], 0
+        async for chunk in http_request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not gzipped:
+            return raw
+        if len(raw) > _THREAD_GUNZIP_BYTES:  # zlib releases the GIL: keep the loop serving
+            return await asyncio.to_thread(_gunzip, raw, self._max_body)
+        return _gunzip(raw, self._max_body)
+
+    def _decode(self, body: bytes, ctype: str) -> ExportTraceServiceRequest:
+        try:
+            if ctype == JSON:
+                return parse_otlp_json(body)
+            return ExportTraceServiceRequest.FromString(body)
+        except (DecodeError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            raise _Rejected(400, "malformed", f"cannot decode {ctype} body: {exc}") from None
+
+    @staticmethod
+    def _http_error(status: int, message: str, ctype: str, headers: dict | None = None) -> web.Response:
+        code = {400: code_pb2.INVALID_ARGUMENT, 413: code_pb2.INVALID_ARGUMENT, 503: code_pb2.UNAVAILABLE}
+        if ctype not in (PROTOBUF, JSON):  # cannot answer in a type we do not speak
+            return web.Response(status=status, text=message, headers=headers)
+        body = _encode(status_pb2.Status(code=code.get(status, code_pb2.INTERNAL), message=message), ctype)
+        return web.Response(status=status, body=body, content_type=ctype, headers=headers)
+
+
+class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    """The OTLP/gRPC servicer; ``Export`` receives the raw request bytes (see `_start_grpc`)."""
+
+    def __init__(self, receivers: Receivers) -> None:
+        self._receivers = receivers
+
+    async def Export(self, body: bytes, context: grpc.aio.ServicerContext) -> ExportTraceServiceResponse:  # noqa: N802
+        receivers = self._receivers
+        try:
+            request = ExportTraceServiceRequest.FromString(body)
+        except DecodeError as exc:
+            receivers.stats["requests_malformed"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode ExportTraceServiceRequest: {exc}")
+        result = await receivers._deliver(request)
+        if result is _INTERNAL:
+            await context.abort(grpc.StatusCode.INTERNAL, result.message)
+        if result.outcome is Outcome.RETRYABLE:
+            seconds = result.retry_after_s if result.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
+            message = result.message or "try again later"
+            trailer = ((_STATUS_DETAILS_KEY, retry_status_details(message, seconds)),)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message, trailing_metadata=trailer)
+        if result.outcome is Outcome.PERMANENT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message or "rejected")
+        response = ExportTraceServiceResponse()
+        if result.rejected_spans > 0:
+            response.partial_success.rejected_spans = result.rejected_spans
+            response.partial_success.error_message = result.message
+        return response
+
+
+def _encode(message: Message, ctype: str) -> bytes:
+    if ctype == JSON:
+        return json_format.MessageToJson(message, indent=None).encode()
+    return message.SerializeToString()
+
+
+def _gunzip(data: bytes, limit: int) -> bytes:
+    """Decompress gzip (possibly several members) without ever holding more than ``limit``
+    + 1 decompressed bytes; raises `_Rejected` 413 beyond it, 400 when corrupt."""
+    out: list[bytes] = []
+    total = 0
+    try:
+        while data:
+            inflater = zlib.decompressobj(wbits=31)  # 31: gzip header and trailer required
+            chunk = inflater.decompress(data, limit - total + 1)  # +1: detects "over"
+            total += len(chunk)
+            if total > limit:
+                raise _Rejected(413, "too_large", f"body larger than {limit} bytes after decompression")
+            if not inflater.eof:
+                raise _Rejected(400, "malformed", "truncated gzip body")
+            out.append(chunk)
+            data = inflater.unused_data
+    except zlib.error as exc:
+        raise _Rejected(400, "malformed", f"corrupt gzip body: {exc}") from None
+    return b"".join(out)

@@ -1,0 +1,222 @@
+"""`kvmiss serve`: collectors, residency index, OTLP receivers, pipeline, exporters and
+metrics in one process.
+
+Threads: the ZeroMQ collector runs on its own thread (collectors/subscriber.py) and hands
+applied batches over through a lock-free deque; everything else -- the index, the
+pipeline, the receivers, the export queues, the metrics endpoint -- lives on one asyncio
+event loop, so the index has exactly one owner and needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import secrets
+import time
+from typing import Callable
+
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from prometheus_client import CollectorRegistry
+from prometheus_client import exposition as prom_text
+from prometheus_client.openmetrics import exposition as openmetrics
+
+from kvmiss.collectors.continuity import Apply, StreamAction
+from kvmiss.collectors.fleet import Fleet
+from kvmiss.collectors.subscriber import Subscriber
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.exporter import ExportQueue, build_exporters
+from kvmiss.enricher.hashing import BlockHasher, HashingError
+from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.metrics import KvmissCollector
+from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.privacy import DigestKey, load_digest_key
+from kvmiss.enricher.receiver import Receivers, parse_listen
+from kvmiss.enricher.spans import SpanReader
+from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
+from kvmiss.schemas.config import Config
+
+log = logging.getLogger("kvmiss.serve")
+
+TICK_S = 0.02  # how often applied batches are drained and pending requests judged
+PRUNE_EVERY_S = 5.0
+
+
+class FanOut:
+    """The pipeline's export sink over one queue per exporter (network, file)."""
+
+    def __init__(self, queues: list[ExportQueue]):
+        self.queues = queues
+
+    def has_capacity(self, spans: int) -> bool:
+        return all(q.has_capacity(spans) for q in self.queues)
+
+    def put(self, request: ExportTraceServiceRequest) -> bool:
+        if not self.queues:
+            return True  # nowhere to send: a dry run
+        ok = True
+        for queue in self.queues[1:]:
+            copy = ExportTraceServiceRequest()
+            copy.CopyFrom(request)
+            ok &= queue.put(copy)
+        return self.queues[0].put(request) and ok
+
+
+class Service:
+    """One kvmiss process. `start()` binds everything; `shutdown()` flushes and stops."""
+
+    def __init__(self, config: Config, *, clock: Callable[[], float] = time.time):
+        self.config = config
+        self.clock = clock
+        self.index = ResidencyIndex([w.id for w in config.workers],
+                                    retention_s=config.history.retention_s)
+        self.digest_key = self._digest_key()
+        self.attributor = Attributor(self.index, self.digest_key,
+                                     aged_out_as_recent_match=config.history.aged_out_as_recent_match)
+        self._applied: collections.deque[Apply] = collections.deque()
+        self.fleet = Fleet(config.workers, self._on_stream_action)
+        self.subscriber = Subscriber(self.fleet, clock=clock)
+        self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
+                       for e in build_exporters(config.export)]
+        self.exemplars: dict[tuple[Label, str, str], str] = {}
+        self.pipeline = Pipeline(
+            self.attributor, FanOut(self.queues), reader=SpanReader(config.attributes),
+            hasher=self._hasher(), default_block_size=config.engine.block_size,
+            assemble_wait_s=config.history.assemble_wait_s, history_wait_s=config.history.wait_s,
+            max_pending_spans=config.otlp.max_pending_spans,
+            keep_block_hashes=config.export.keep_block_hashes,
+            on_verdict=self._on_verdict, clock=clock)
+        self.receivers = Receivers(config.otlp, self.pipeline)
+        self.registry = CollectorRegistry()
+        self.registry.register(KvmissCollector(
+            self.pipeline.stats, lambda: self.fleet.streams,
+            unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars))
+        self._metrics_runner: web.AppRunner | None = None
+        self.metrics_port: int | None = None
+        self._ticker: asyncio.Task | None = None
+        self._stopping = False
+        self._last_prune = 0.0
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _digest_key(self) -> DigestKey:
+        privacy = self.config.privacy
+        if privacy.digest_key or privacy.digest_key_env:
+            return load_digest_key(privacy.digest_key, privacy.digest_key_env)
+        log.warning("no [privacy] digest key configured: using a random key for this process; "
+                    "first-miss digests will not match across restarts or replicas")
+        return DigestKey(secrets.token_bytes(32))
+
+    def _hasher(self) -> BlockHasher | None:
+        engine = self.config.engine
+        try:
+            return BlockHasher(engine.hash_algo, seed=engine.hash_seed, block_size=engine.block_size,
+                               extra_keys_format=engine.extra_keys_format)
+        except HashingError as exc:
+            log.warning("kvmiss.token_ids cannot be hashed (%s); spans must carry kvmiss.block_hashes", exc)
+            return None
+
+    def _on_stream_action(self, worker: str, action: StreamAction) -> None:
+        """Collector thread: hand applied batches to the loop; log stream facts once each."""
+        if isinstance(action, Apply):
+            self._applied.append(action)
+        else:
+            log.info("worker %s: %s", worker, _describe(action))
+
+    def _on_verdict(self, facts: RequestFacts, verdict: Verdict, trace_id: bytes) -> None:
+        self.exemplars[(verdict.label, facts.route_policy or "", facts.worker or "")] = trace_id.hex()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for queue in self.queues:
+            await queue.start()
+        self.subscriber.start()
+        await self.receivers.start()
+        if self.config.metrics.listen:
+            await self._start_metrics(self.config.metrics.listen)
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_forever(), name="kvmiss-tick")
+        log.info("kvmiss serving: %d workers, OTLP grpc=%s http=%s, metrics=%s",
+                 len(self.config.workers), self.receivers.grpc_port, self.receivers.http_port,
+                 self.metrics_port)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop intake, judge everything still held with the evidence there is, flush the
+        exporters, stop the collector. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        await self.receivers.shutdown(grace=min(5.0, timeout))
+        if self._ticker is not None:
+            self._ticker.cancel()
+        self._drain_applied()
+        self.pipeline.poll(final=True)
+        for queue in self.queues:
+            await queue.shutdown(timeout)
+        self.subscriber.shutdown(timeout)
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+
+    async def _tick_forever(self) -> None:
+        while True:
+            self._drain_applied()
+            now = self.clock()
+            self.pipeline.poll(now)
+            if now - self._last_prune >= PRUNE_EVERY_S:
+                self._last_prune = now
+                newest = max((v.applied_through_ts or 0.0 for v in self.index.current.values()), default=0.0)
+                if newest:
+                    self.index.prune(newest)
+            await asyncio.sleep(TICK_S)
+
+    def _drain_applied(self) -> None:
+        applied = self._applied
+        while applied:
+            self.index.apply(applied.popleft().batch)
+
+    # --- health and metrics ---------------------------------------------------------------
+
+    def ready(self) -> tuple[bool, dict[str, str]]:
+        """Ready when every configured worker's stream is live or explicitly quarantined."""
+        states = {}
+        for worker, stream in self.fleet.streams.items():
+            if stream.quarantined:
+                states[worker] = "quarantined"
+            else:
+                states[worker] = stream.cursor.name.lower()
+        return all(s in ("live", "quarantined") for s in states.values()), states
+
+    async def _start_metrics(self, address: str) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        host, port = parse_listen(address)
+        site = web.TCPSite(self._metrics_runner, host, port)
+        await site.start()
+        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if "application/openmetrics-text" in request.headers.get("Accept", ""):
+            body, ctype = openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
+        else:
+            body, ctype = prom_text.generate_latest(self.registry), prom_text.CONTENT_TYPE_LATEST
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ready, states = self.ready()
+        return web.json_response({"ready": ready, "workers": states}, status=200 if ready else 503)
+
+
+def _describe(action: StreamAction) -> str:
+    """One log line's worth of a stream fact: enum values and sequence numbers only."""
+    fields = {k: getattr(action, k) for k in action.__struct_fields__}
+    parts = [f"{k}={getattr(v, 'value', v)}" for k, v in fields.items()]
+    return f"{type(action).__name__} " + " ".join(parts)
+

@@ -1,0 +1,179 @@
+"""`kvmiss serve` end to end with real parts: the real SGLang publisher feeding events over
+ZeroMQ, the OTel SDK's real OTLP exporter sending spans, kvmiss in between, a real OTLP/HTTP
+sink behind it. Checks the labels that arrive, the metrics and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from otlp_sink import OtlpSink, attributes
+from sglang_publisher import batch, close, publisher
+from zmq_ports import free_tcp
+
+from kvmiss.enricher.service import Service
+from kvmiss.schemas.config import parse_config
+
+P, H, Q, R = 1001, 1002, 1003, 1004  # block hashes: parent, evicted, never stored, on w1
+
+
+class RunningService:
+    """A Service on its own event loop thread, as `kvmiss serve` runs it."""
+
+    def __init__(self, config):
+        self.config = config
+        self.service: Service | None = None
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        assert self.started.wait(15), "service did not start"
+        if self.error:
+            raise self.error
+
+    async def _main(self):
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            self.service = Service(self.config)
+            await self.service.start()
+        except BaseException as exc:  # surfaced in the test thread
+            self.error = exc
+            self.started.set()
+            return
+        self.started.set()
+        await self._stop.wait()
+        await self.service.shutdown()
+
+    def stop(self):
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(15)
+
+
+@pytest.fixture
+def fleet():
+    eps = {w: (free_tcp(), free_tcp()) for w in ("w0", "w1")}
+    pubs = {w: publisher(endpoint=ep, replay_endpoint=rep, topic=f"kv@{w}@m") for w, (ep, rep) in eps.items()}
+    yield eps, pubs
+    for pub in pubs.values():
+        close(pub)
+
+
+@pytest.fixture
+def sink():
+    s = OtlpSink()
+    yield s
+    s.close()
+
+
+def make_config(eps, sink_endpoint: str) -> str:
+    workers = "".join(
+        f'[[workers]]\nid = "{w}"\nendpoint = "{ep}"\nreplay_endpoint = "{rep}"\n' for w, (ep, rep) in eps.items())
+    return f"""
+[otlp]
+grpc = "127.0.0.1:0"
+http = "127.0.0.1:0"
+[export]
+endpoint = "{sink_endpoint}"
+[engine]
+block_size = 16
+[privacy]
+digest_key = "service-test-secret-0001"
+[metrics]
+listen = "127.0.0.1:0"
+[history]
+wait_s = 1.0
+assemble_wait_s = 2.0
+{workers}"""
+
+
+def send_spans(http_port: int, requests: list[dict]) -> None:
+    """Each request: a router span (kvmiss inputs) and a child llm_request span (vLLM's)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "router"}))
+    provider.add_span_processor(SimpleSpanProcessor(
+        OTLPSpanExporter(endpoint=f"http://127.0.0.1:{http_port}/v1/traces")))
+    tracer = provider.get_tracer("test-router")
+    for req in requests:
+        with tracer.start_as_current_span("route", attributes=req["router"]):
+            with tracer.start_as_current_span("llm_request", kind=trace.SpanKind.SERVER,
+                                              attributes=req["engine"]):
+                pass
+    with tracer.start_as_current_span("health-check", attributes={"http.route": "/health"}):
+        pass
+    provider.shutdown()
+
+
+def router_attrs(rid: str, worker: str, chain: list[int], cached: int, lookup: float) -> dict:
+    return {"gen_ai.request.id": rid, "kvmiss.route.worker": worker, "kvmiss.route.policy": "prefix",
+            "gen_ai.usage.cache_read.input_tokens": cached, "kvmiss.block_hashes": chain,
+            "kvmiss.lookup_time_unix_nano": int(lookup * 1e9),
+            "kvmiss.token_ids": [1, 2, 3]}
+
+
+def test_labels_arrive_downstream_on_the_routers_spans(fleet, sink):
+    eps, pubs = fleet
+    running = RunningService(parse_config(make_config(eps, sink.endpoint)))
+    try:
+        svc = running.service
+        t0 = time.time()
+        time.sleep(0.3)  # let SUB subscriptions reach the publishers (replay covers the rest)
+        pubs["w0"].publish(batch(t0, stored=[([P, H], None)]))
+        pubs["w0"].publish(batch(t0 + 0.01, removed=[[H]]))
+        pubs["w1"].publish(batch(t0, stored=[([P, R], None)]))
+        for k in range(2, 6):
+            pubs["w0"].publish(batch(t0 + 0.01 * k))
+            pubs["w1"].publish(batch(t0 + 0.01 * k))
+        deadline = time.monotonic() + 10
+        while not svc.ready()[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert svc.ready()[0], svc.ready()[1]
+        lookup = t0 + 0.035
+        send_spans(svc.receivers.http_port, [
+            {"router": router_attrs("evicted", "w0", [P, H, 7], 16, lookup), "engine": {"gen_ai.request.id": "evicted", "gen_ai.usage.prompt_tokens": 40}},
+            {"router": router_attrs("never", "w0", [P, Q, 7], 16, lookup), "engine": {"gen_ai.request.id": "never", "gen_ai.usage.prompt_tokens": 40}},
+            {"router": router_attrs("routing", "w0", [P, R, 7], 16, lookup), "engine": {"gen_ai.request.id": "routing", "gen_ai.usage.prompt_tokens": 40}},
+            {"router": router_attrs("lagging", "w0", [P, H, 7], 16, t0 + 100), "engine": {"gen_ai.request.id": "lagging", "gen_ai.usage.prompt_tokens": 40}},
+            {"router": router_attrs("unknown-worker", "w9", [P, H, 7], 16, lookup), "engine": {"gen_ai.request.id": "unknown-worker", "gen_ai.usage.prompt_tokens": 40}},
+        ])
+        spans = sink.wait_for_spans(11)
+        assert len(spans) == 11  # every span out exactly once, enriched or not
+        labels = {attributes(s)["gen_ai.request.id"]: attributes(s).get("kvmiss.label")
+                  for s in spans if s.name == "route"}
+        assert labels == {"evicted": "evicted", "never": "no_match", "routing": "routing_miss",
+                          "lagging": "unknown_history", "unknown-worker": "unknown_history"}
+        for s in spans:
+            a = attributes(s)
+            assert "kvmiss.token_ids" not in a and "kvmiss.block_hashes" not in a
+            if s.name != "route":
+                assert "kvmiss.label" not in a
+        evicted = next(attributes(s) for s in spans if attributes(s).get("gen_ai.request.id") == "evicted" and s.name == "route")
+        assert evicted["kvmiss.first_miss_block"] == 1 and evicted["kvmiss.owner"] == "platform"
+        assert evicted["kvmiss.first_miss_digest"].count(":") == 1
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics").read().decode()
+        assert 'kvmiss_requests_total{label="evicted",owner="platform",route_policy="prefix",worker="w0"} 1.0' in metrics
+        assert "kvmiss_stream_batches_applied_total" in metrics
+        for forbidden in (str(H), "evicted\",trace", "service-test-secret"):
+            assert forbidden not in metrics
+        ready = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/readyz")
+        assert ready.status == 200
+    finally:
+        running.stop()
+
+
+def test_a_bad_worker_endpoint_fails_start_up_with_a_clear_error(sink):
+    config = parse_config(make_config({"w0": ("tcp://127.0.0.1", None)}, sink.endpoint)
+                          .replace('replay_endpoint = "None"\n', ""))
+    with pytest.raises(Exception) as info:
+        RunningService(config)
+    assert "127.0.0.1" in str(info.value) or "Invalid argument" in str(info.value)
