@@ -87,13 +87,16 @@ def _holders(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[Ho
     for worker, view in index.current.items():
         if worker == chosen or not view.epoch_certain:
             continue
+        media = [m for m, table in view.media.items() if key in table]
+        if not media:
+            continue  # the common case, one dict lookup per medium
         step = view.step_at(t)
         if step is None:
             continue  # its history has not reached t: no proof either way
         run = view.run_containing(step[0])
         if run is None or _quarantined(view, run, step[0]):
             continue
-        for medium in view.media:
+        for medium in media:
             node = _held_at(view, key, medium, step[0], run)
             if node is not None:
                 found.append(Holder(worker, medium, node.stored_ts))

@@ -1,0 +1,98 @@
+"""Verdict latency: evidence gathering + verdict for one request, once its history is there.
+
+    .venv/bin/python benchmarks/bench_verdict.py [--workers 8] [--blocks 100000] [--requests 20000]
+
+A fleet of ``--workers`` epochs, each holding ``--blocks`` resident blocks with churn
+(evictions), a batch log of 50,000 steps; requests pick a worker and a first-miss block
+that is resident, evicted, elsewhere in the fleet or never stored. Times
+`Attributor.attribute` per request (evidence + verdict + keyed digest) and prints
+p50/p95/p99 in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.privacy import DigestKey
+from kvmiss.schemas.attribution import RequestFacts
+from kvmiss.schemas.events import BlockRemoved, BlockStored
+from kvmiss.schemas.stream import AppliedBatch, RunStart
+
+STEPS = 50_000
+
+
+def build(workers: int, blocks: int, rng: random.Random):
+    index = ResidencyIndex([f"w{i}" for i in range(workers)], retention_s=1e9)
+    held: dict[str, list[int]] = {}
+    evicted: dict[str, list[int]] = {}
+    per_step = max(1, blocks // STEPS + 1)
+    for w in range(workers):
+        worker = f"w{w}"
+        hashes = [rng.getrandbits(64) for _ in range(blocks)]
+        held[worker], evicted[worker] = hashes, []
+        cursor = 0
+        for seq in range(STEPS):
+            events = []
+            chunk = hashes[cursor:cursor + per_step]
+            cursor += per_step
+            if chunk:
+                events.append(BlockStored(block_hashes=chunk, block_size=16))
+            if seq % 10 == 9 and cursor > 100:
+                victim = hashes[rng.randrange(min(cursor, len(hashes)) - 100)]
+                events.append(BlockRemoved(block_hashes=[victim]))
+                evicted[worker].append(victim)
+            index.apply(AppliedBatch(worker=worker, epoch=0, seq=seq, ts=1000.0 + seq * 0.01,
+                                     recv_ts=1000.0 + seq * 0.01, events=events,
+                                     run_start_seq=0, run_start=RunStart.EPOCH_START))
+    return index, held, evicted
+
+
+def requests(workers: int, n: int, held, evicted, rng: random.Random) -> list[RequestFacts]:
+    out = []
+    for _ in range(n):
+        worker = f"w{rng.randrange(workers)}"
+        kind = rng.randrange(4)
+        if kind == 0:
+            h = rng.choice(held[worker])
+        elif kind == 1 and evicted[worker]:
+            h = rng.choice(evicted[worker])
+        elif kind == 2:
+            h = rng.choice(held[f"w{(int(worker[1:]) + 1) % workers}"])
+        else:
+            h = rng.getrandbits(64)
+        t = 1000.0 + rng.uniform(STEPS * 0.5, STEPS - 1) * 0.01
+        out.append(RequestFacts(prompt_tokens=80, cached_tokens=32, block_size=16, worker=worker,
+                                lookup_time=t, block_hashes=[1, 2, h, 4, 5]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=100_000)
+    parser.add_argument("--requests", type=int, default=20_000)
+    args = parser.parse_args()
+    rng = random.Random(11)
+    index, held, evicted = build(args.workers, args.blocks, rng)
+    attributor = Attributor(index, DigestKey("bench-verdict-secret-0001"))
+    reqs = requests(args.workers, args.requests, held, evicted, rng)
+    times = []
+    labels: dict[str, int] = {}
+    for facts in reqs:
+        t0 = time.perf_counter()
+        verdict = attributor.attribute(facts)
+        times.append(time.perf_counter() - t0)
+        labels[verdict.label.value] = labels.get(verdict.label.value, 0) + 1
+    times.sort()
+    pct = {q: times[min(len(times) - 1, int(q * len(times)))] * 1e6 for q in (0.5, 0.95, 0.99)}
+    print(f"{args.workers} workers x {args.blocks:,} blocks, {STEPS:,} steps each; {args.requests:,} requests")
+    print("labels: " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())))
+    print(f"verdict latency: p50 {pct[0.5]:.1f} us, p95 {pct[0.95]:.1f} us, p99 {pct[0.99]:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
