@@ -22,6 +22,8 @@ nothing.
 
 from __future__ import annotations
 
+from typing import Iterable, NamedTuple
+
 from kvmiss.enricher.index import GPU, EpochView, Interval, ResidencyIndex, Run
 from kvmiss.schemas.attribution import (
     Evidence,
@@ -44,10 +46,10 @@ def first_miss_hash(facts: RequestFacts) -> int | None:
     return chain[i] if 0 <= i < len(chain) else None
 
 
-def _choose_view(views: list[EpochView], facts: RequestFacts, t: float) -> EpochView | None:
+def _choose_view(views: list[EpochView], instance_hint: str | None, t: float) -> EpochView | None:
     """The epoch view that served a lookup at t, or None when that cannot be established."""
-    if facts.instance_hint is not None:
-        matching = [v for v in views if v.instance == facts.instance_hint]
+    if instance_hint is not None:
+        matching = [v for v in views if v.instance == instance_hint]
         if matching:
             return matching[0]
         if any(v.instance is not None for v in views):
@@ -72,36 +74,89 @@ def _quarantined(view: EpochView, run: Run, step_seq: int) -> bool:
     return run.start is RunStart.AFTER_GAP and view.last_clear_between(run.start_seq, step_seq + 1) is None
 
 
-def _held_at(view: EpochView, key: int, medium: str, step_seq: int, run: Run) -> Interval | None:
-    """The interval proving ``key`` was resident on ``medium`` throughout the lookup step."""
+class _Held(NamedTuple):
+    """Whether a worker held a block at t: a proof either way, or why neither is possible."""
+
+    node: Interval | None = None  # held: the interval proving it
+    unresolved: History | None = None  # neither provable: why
+
+
+_NOT_HELD = _Held()
+
+
+def _held_on(view: EpochView, key: int, medium: str, step_seq: int, run: Run) -> _Held:
+    """Whether ``key`` was resident on ``medium`` throughout the step containing t.
+
+    Held: stored in this run before the step, not removed through the step. Not held: no
+    store before the step, or removed before the step within the run. A removal *in* the
+    step straddles t (the step ran on past it), and a store or removal before the run
+    began leaves the hole in between: neither is provable.
+    """
     node = view.interval_as_of(key, medium, step_seq)
-    if node is None or node.stored_seq is None or node.stored_seq < run.start_seq:
-        return None
-    if node.removed_seq is not None and node.removed_seq <= step_seq:
-        return None
-    return node
+    if node is None:
+        return _NOT_HELD
+    removed = node.removed_seq
+    if removed is not None and removed == step_seq:
+        return _Held(unresolved=History.GAP)
+    if removed is not None and removed < step_seq:
+        return _NOT_HELD if removed >= run.start_seq else _Held(unresolved=History.GAP)
+    if node.stored_seq is None or node.stored_seq < run.start_seq:
+        return _Held(unresolved=History.GAP)
+    return _Held(node)
 
 
-def _holders(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[Holder, ...]:
-    found: list[Holder] = []
-    for worker, view in index.current.items():
-        if worker == chosen or not view.epoch_certain:
+def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | None = None) -> tuple[str | None, _Held]:
+    """Whether any of ``media`` (default: every medium) of this worker epoch held ``key``
+    at t: (medium, held) for a proof of holding, (None, not-held) for a proof of absence,
+    (None, unresolved) otherwise."""
+    if not view.epoch_certain:
+        return None, _Held(unresolved=History.EPOCH_UNKNOWN)
+    if view.horizon_ts is not None and t < view.horizon_ts:
+        return None, _Held(unresolved=History.AGED_OUT)
+    step = view.step_at(t)
+    if step is None:
+        return None, _Held(unresolved=History.LAGGING)  # a store may be on its way
+    run = view.run_containing(step[0])
+    if run is None or _quarantined(view, run, step[0]):
+        return None, _Held(unresolved=History.QUARANTINED)
+    unresolved = None
+    for medium in (view.media if media is None else media):
+        if key not in view.media.get(medium, ()):
             continue
-        media = [m for m, table in view.media.items() if key in table]
-        if not media:
-            continue  # the common case, one dict lookup per medium
-        step = view.step_at(t)
-        if step is None:
-            continue  # its history has not reached t: no proof either way
-        run = view.run_containing(step[0])
-        if run is None or _quarantined(view, run, step[0]):
+        held = _held_on(view, key, medium, step[0], run)
+        if held.node is not None:
+            return medium, held
+        unresolved = unresolved or held.unresolved
+    if unresolved is not None:
+        return None, _Held(unresolved=unresolved)
+    # No record either way: absence needs history from a known-empty point.
+    if key in view.pruned:
+        return None, _Held(unresolved=History.AGED_OUT)
+    known_empty = run.start is RunStart.EPOCH_START or view.last_clear_between(run.start_seq, step[0] + 1)
+    return None, (_NOT_HELD if known_empty else _Held(unresolved=History.GAP))
+
+
+def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[tuple[Holder, ...], tuple[History, ...]]:
+    """Every other tracked worker: who provably held H at t, and why the rest that may have
+    cannot be ruled out. Both decide whether a label below routing_miss is provable."""
+    holders: list[Holder] = []
+    unresolved: list[History] = []
+    for worker in index.tracked:
+        if worker == chosen:
             continue
-        for medium in media:
-            node = _held_at(view, key, medium, step[0], run)
-            if node is not None:
-                found.append(Holder(worker, medium, node.stored_ts))
-                break
-    return tuple(found)
+        views = index.views(worker)
+        view = _choose_view(views, None, t) if views else None
+        if view is None:
+            unresolved.append(History.EPOCH_UNKNOWN if views else History.LAGGING)
+            continue
+        if view.first_ts is not None and t < view.first_ts:
+            continue  # a fresh epoch before its first batch: its cache was still empty
+        medium, held = _worker_held(view, key, t)
+        if held.node is not None:
+            holders.append(Holder(worker, medium, held.node.stored_ts))  # type: ignore[arg-type]
+        elif held.unresolved is not None:
+            unresolved.append(held.unresolved)
+    return tuple(holders), tuple(unresolved)
 
 
 def gather(
@@ -124,7 +179,7 @@ def gather(
         return Evidence(history=History.LAGGING)  # tracked, but nothing applied yet
     if t is None:
         return Evidence(history=History.LAGGING, epoch=views[0].epoch)
-    view = _choose_view(views, facts, t)
+    view = _choose_view(views, facts.instance_hint, t)
     if view is None or not view.epoch_certain:
         return Evidence(history=History.EPOCH_UNKNOWN)
     base = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts)
@@ -138,14 +193,16 @@ def gather(
     run = view.run_containing(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
-    holders = _holders(index, worker, key, t) if key is not None else ()
-    tiers = tuple(
-        TierHolding(medium, node.stored_ts)
-        for medium in view.media
-        if medium != GPU and key is not None
-        and (node := _held_at(view, key, medium, step_seq, run)) is not None
-    )
-    base.update(holders=holders, tiers=tiers)
+    holders, unresolved = _fleet(index, worker, key, t) if key is not None else ((), ())
+    tiers: list[TierHolding] = []
+    for medium in view.media:
+        if medium != GPU and key is not None:
+            _, held = _worker_held(view, key, t, (medium,))
+            if held.node is not None:
+                tiers.append(TierHolding(medium, held.node.stored_ts))
+            elif held.unresolved is not None:
+                unresolved += (held.unresolved,)
+    base.update(holders=holders, tiers=tuple(tiers), unresolved_holders=unresolved)
     if _quarantined(view, run, step_seq):
         return Evidence(history=History.QUARANTINED, gap_from_seq=run.gap_from_seq,
                         gap_to_seq=run.gap_to_seq, **base)

@@ -149,6 +149,12 @@ def attribute(
         reason = _insufficient_history_reason(facts, evidence)
         return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
 
+    # Below routing_miss only if no other worker (or tier) may have held H at t: one whose
+    # hold can be neither proven nor ruled out leaves the cause unknown, not a guess.
+    if evidence.unresolved_holders:
+        return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence),
+                        **{**known, "history": evidence.unresolved_holders[0]})
+
     # resident_miss / evicted / no_match: with continuous history, where H stood on the
     # chosen worker at the lookup time decides.
     if evidence.presence is Presence.RESIDENT:
@@ -269,6 +275,24 @@ def _insufficient_history_reason(facts: RequestFacts, evidence: Evidence) -> str
             )
         case _:  # UNTRACKED
             return _untracked_reason(facts)
+
+
+_UNRESOLVED_TEXT = {
+    History.QUARANTINED: "quarantined",
+    History.LAGGING: "behind the lookup time",
+    History.GAP: "missing the history around it",
+    History.AGED_OUT: "aged out",
+    History.EPOCH_UNKNOWN: "of unknown lifetime",
+}
+
+
+def _unresolved_reason(evidence: Evidence) -> str:
+    count = len(evidence.unresolved_holders)
+    why = sorted({_UNRESOLVED_TEXT.get(h, h.value) for h in evidence.unresolved_holders})
+    return (
+        f"whether another worker held the first missed block at lookup is not established "
+        f"({count} stream{'s' if count > 1 else ''} {', '.join(why)}), so routing cannot be ruled out"
+    )
 
 
 def _evicted_reason(evidence: Evidence, age_ms: int | None) -> str:

@@ -161,6 +161,9 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # Fleet view at t.
     tiers: tuple[TierHolding, ...] = ()
     holders: tuple[Holder, ...] = ()
+    # Why some other worker (or tier) may have held H at t though neither could be proven:
+    # while any remain, no label below routing_miss is provable.
+    unresolved_holders: tuple[History, ...] = ()
 
 
 class DivergenceKind(str, enum.Enum):
