@@ -1,0 +1,322 @@
+"""`kvmiss demo`: its publisher against vLLM's captured frames, its block pool against vLLM's
+semantics, its ground truth on literal scenarios, and one whole run as a user starts it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from shared_data import frames, load_json
+
+from kvmiss.collectors.frames import BatchMessage, ReplayEnd, parse_live, parse_replay
+from kvmiss.enricher.demo.engine import BlockPool, Engine, SimRequest
+from kvmiss.enricher.demo.faults import SimWorker, parse_faults
+from kvmiss.enricher.demo.publisher import (
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Publisher, encode_batch,
+)
+from kvmiss.enricher.demo.truth import Agreement, LookupTruth, judge, truth_label
+from kvmiss.enricher.hashing import BlockHasher, external_hash
+from kvmiss.schemas.attribution import Label, TransferAttempt, TransferResult
+
+B = 16
+WIRE_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
+              "AllBlocksCleared": AllBlocksCleared}
+
+
+def wire_batch(untyped: list) -> EventBatch:
+    """The captured batch's content as our publisher's Structs (bin hashes as bytes)."""
+    ts, events, rank = untyped
+    out = []
+    for event in events:
+        fields = dict(event)
+        kind = fields.pop("type")
+        if "block_hashes" in fields:
+            fields["block_hashes"] = [bytes.fromhex(h["bin_hex"]) if isinstance(h, dict) else h
+                                      for h in fields["block_hashes"]]
+        out.append(WIRE_TYPES[kind](**fields))
+    return EventBatch(ts=ts, events=out, data_parallel_rank=rank)
+
+
+def recv(sock: zmq.Socket, timeout_s: float = 5.0) -> list[bytes]:
+    assert sock.poll(timeout_s * 1000), "nothing received"
+    return sock.recv_multipart()
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def publisher(ctx):
+    started: list[Publisher] = []
+
+    def make(**kwargs) -> tuple[Publisher, zmq.Socket]:
+        pub = Publisher(ctx, **kwargs)
+        pub.start()
+        started.append(pub)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.pub_endpoint)
+        time.sleep(0.3)  # the subscription must reach the PUB before anything is published
+        return pub, sub
+
+    yield make
+    for pub in started:
+        pub.shutdown()
+
+
+def replay(ctx, pub: Publisher, start: int) -> list[list[bytes]]:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    replies = []
+    while True:
+        reply = recv(dealer)
+        replies.append(reply)
+        if isinstance(parse_replay(reply), ReplayEnd):
+            dealer.close()
+            return replies
+
+
+class TestPublisherSpeaksVllmsWire:
+    def test_live_frames_are_the_captured_vllm_frames_byte_for_byte(self, publisher):
+        capture = load_json("vllm-0.33.0-event-frames.json")["publishers"][0]
+        pub, sub = publisher(topic="kv-events")
+        pub.publish(EventBatch(ts=1789999999.0, events=[], data_parallel_rank=0))  # the warm-up
+        for live in capture["live"]:
+            pub.publish(wire_batch(live["payload_msgpack_untyped"]))
+        recv(sub)  # seq 0, the capture's warm-up (it was not captured live)
+        for live in capture["live"]:
+            got, want = recv(sub), frames(live["frames_b64"])
+            assert got == want, f"seq {live['seq']}"
+            ours, vllms = parse_live(got), parse_live(want)
+            assert isinstance(ours, BatchMessage) and ours.decode() == vllms.decode()
+
+    def test_the_first_captured_batch_re_encodes_to_the_same_payload_bytes(self):
+        live = load_json("vllm-0.33.0-event-frames.json")["publishers"][0]["live"][0]
+        assert encode_batch(wire_batch(live["payload_msgpack_untyped"])) == frames(
+            live["frames_b64"])[2]
+
+    def test_replay_answers_like_vllm_including_the_end_marker(self, ctx, publisher):
+        capture = load_json("vllm-0.33.0-event-frames.json")["publishers"][0]
+        pub, _ = publisher(topic="kv-events")
+        pub.publish(EventBatch(ts=1789999999.0, events=[], data_parallel_rank=0))
+        for live in capture["live"]:
+            pub.publish(wire_batch(live["payload_msgpack_untyped"]))
+        time.sleep(0.1)
+        asked = capture["replay"][0]  # start_seq 2 -> seqs 2..6, then the end marker
+        assert replay(ctx, pub, 2) == [frames(r["frames_b64"]) for r in asked["replies"]]
+
+    def test_dropped_batches_stay_in_a_bounded_ring_and_seq_restarts_per_process(
+            self, ctx, publisher):
+        pub, sub = publisher(buffer_steps=3)
+        pub.publish(EventBatch(ts=1.0, events=[]))
+        pub.faults.drop = 2
+        for i in range(2, 6):
+            pub.publish(EventBatch(ts=float(i), events=[]))
+        live = [int.from_bytes(recv(sub)[1], "big") for _ in range(3)]
+        assert live == [0, 3, 4]  # 1 and 2 never went out
+        seqs = [parse_replay(r).seq for r in replay(ctx, pub, 0)[:-1]]
+        assert seqs == [2, 3, 4]  # dropped 2 is replayable; 0 and 1 left the 3-batch ring
+
+    def test_a_delayed_batch_leaves_late_and_in_order(self, publisher):
+        pub, sub = publisher()
+        pub.faults.delay_s = 0.4
+        sent = time.monotonic()
+        pub.publish(EventBatch(ts=1.0, events=[]))
+        pub.faults.delay_s = 0.0
+        pub.publish(EventBatch(ts=2.0, events=[]))
+        assert int.from_bytes(recv(sub)[1], "big") == 0
+        assert time.monotonic() - sent >= 0.35
+        assert int.from_bytes(recv(sub)[1], "big") == 1
+
+    def test_a_restarted_worker_is_a_new_process_on_the_same_endpoints(self, ctx):
+        worker = SimWorker(ctx, "w0", dp_rank=0, num_blocks=8, block_size=B, buffer_steps=100)
+        worker.start()
+        ports = (worker.pub_port, worker.replay_port)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{worker.pub_port}")
+        time.sleep(0.3)
+        worker.publish(EventBatch(ts=1.0, events=[]))
+        worker.publisher.faults.delay_s = 3600.0
+        worker.publish(EventBatch(ts=2.0, events=[]))  # still queued when the process dies
+        assert int.from_bytes(recv(sub)[1], "big") == 0
+        worker.crash()
+        worker.start()
+        try:
+            assert (worker.pub_port, worker.replay_port) == ports
+            assert worker.engine.pool.cached == {}
+            # Like vLLM's, a new process's first batches can be lost while the SUB reconnects.
+            for i in range(100):
+                worker.publish(EventBatch(ts=3.0 + i, events=[]))
+                if sub.poll(50):
+                    break
+            assert parse_live(sub.recv_multipart()).decode().ts >= 3.0
+            replayed = [parse_replay(r) for r in replay(ctx, worker.publisher, 0)[:-1]]
+            assert [r.seq for r in replayed] == list(range(i + 1))  # seq from 0 again
+            assert replayed[0].decode().ts == 3.0  # the queued batch died with the process
+        finally:
+            worker.shutdown()
+
+
+def stored(pool: BlockPool, hashes: list[int]):
+    blocks = pool.allocate(len(hashes))
+    pool.cache(blocks, hashes, None, [0] * (B * len(hashes)), B, lora_id=None, lora_name=None,
+               extra_keys=[None] * len(hashes))
+    return blocks
+
+
+def kinds(events) -> list[tuple[str, list[int]]]:
+    return [(type(e).__name__, getattr(e, "block_hashes", [])) for e in events]
+
+
+class TestBlockPoolFollowsVllm:
+    def test_freed_blocks_stay_cached_until_reallocated_from_the_lru_head(self):
+        pool = BlockPool(4)
+        blocks = stored(pool, [11, 12])
+        pool.free_blocks(blocks)  # tail first: 12 becomes the least recently used
+        assert pool.lookup([11, 12], 2) == blocks
+        pool.take_events()
+        pool.allocate(2)  # the two never-used blocks come first
+        assert pool.take_events() == []
+        pool.allocate(1)
+        assert kinds(pool.take_events()) == [("BlockRemoved", [12])]
+        assert pool.holds(11) and not pool.holds(12)
+
+    def test_blocks_in_use_are_pinned_and_never_evicted(self):
+        pool = BlockPool(2)
+        blocks = stored(pool, [11, 12])
+        pool.free_blocks(blocks)
+        pool.touch(pool.lookup([11], 1))  # a new request reuses 11
+        pool.allocate(1)
+        assert pool.holds(11) and not pool.holds(12)
+        with pytest.raises(RuntimeError):
+            pool.allocate(1)
+
+    def test_the_lookup_limit_recompute_holds_one_hash_twice_and_counts_copies(self):
+        hasher = BlockHasher("sha256", seed=None, block_size=B)
+        engine = Engine("w0", num_blocks=8, block_size=B)
+        tokens = list(range(2 * B))  # an exact multiple of the block size
+        chain = [external_hash(d) for d in hasher.hash_request(tokens)]
+
+        def request(rid):
+            return SimRequest(id=rid, kind="exact", token_ids=tokens, output_ids=[], chain=chain,
+                              event_extra_keys=[None, None])
+
+        first, second = request("a"), request("b")
+        for r in (first, second):
+            engine.submit(r)
+            engine.step(time.time, lambda h: ())
+        assert (first.cached_tokens, second.cached_tokens) == (0, B)  # never the last block
+        assert engine.pool.copies(chain[1]) == 2
+        engine.pool.allocate(len(engine.pool.free))  # evict everything free, one copy at a time
+        removed = [e.block_hashes[0] for e in engine.pool.take_events()
+                   if isinstance(e, BlockRemoved)]
+        assert removed.count(chain[1]) == 2 and not engine.pool.holds(chain[1])
+
+    @pytest.mark.parametrize("n, cached", [(16, 0), (17, 16), (32, 16), (33, 32)])
+    def test_cached_tokens_stop_at_the_lookup_limit(self, n, cached):
+        hasher = BlockHasher("sha256", seed=None, block_size=B)
+        engine = Engine("w0", num_blocks=16, block_size=B)
+        tokens = list(range(n))
+        chain = [external_hash(d) for d in hasher.hash_request(tokens)]
+        warm = SimRequest(id="warm", kind="x", token_ids=tokens + [9] * B, output_ids=[],
+                          chain=[external_hash(d) for d in hasher.hash_request(tokens + [9] * B)],
+                          event_extra_keys=[None] * (n // B + 1))
+        probe = SimRequest(id="p", kind="x", token_ids=tokens, output_ids=[], chain=chain,
+                           event_extra_keys=[None] * (n // B))
+        for r in (warm, probe):
+            engine.submit(r)
+            engine.step(time.time, lambda h: ())
+        assert probe.cached_tokens == cached
+
+
+class TestGroundTruth:
+    @pytest.mark.parametrize("n, c, truth, label", [
+        (33, 32, LookupTruth(), Label.HIT),
+        (10, 0, LookupTruth(), Label.HIT),
+        (32, 16, LookupTruth(), Label.LOOKUP_LIMIT),
+        (33, 0, LookupTruth(transfer_failed=True, other_holders=("w1",)), Label.TRANSFER_FAILURE),
+        (33, 0, LookupTruth(other_holders=("w1",), resident=True), Label.ROUTING_MISS),
+        (33, 16, LookupTruth(resident=True, stored_this_epoch=True), Label.RESIDENT_MISS),
+        (33, 16, LookupTruth(stored_this_epoch=True), Label.EVICTED),
+        (33, 16, LookupTruth(), Label.NO_MATCH),
+    ])
+    def test_precedence_over_what_really_happened(self, n, c, truth, label):
+        assert truth_label(n, c, B, truth) is label
+
+    def test_unknown_is_honest_and_any_other_disagreement_is_wrong(self):
+        assert judge(Label.EVICTED, Label.UNKNOWN_HISTORY) is Agreement.UNKNOWN
+        assert judge(Label.NO_MATCH, Label.UNKNOWN_EPOCH) is Agreement.UNKNOWN
+        assert judge(Label.EVICTED, Label.EVICTED) is Agreement.AGREE
+        assert judge(Label.ROUTING_MISS, Label.NO_MATCH) is Agreement.WRONG
+
+    def test_the_engine_records_the_fleet_at_each_lookup(self):
+        hasher = BlockHasher("sha256", seed=None, block_size=B)
+        system = list(range(2 * B))
+
+        def request(rid, tail, prefix=system, **kw):
+            tokens = prefix + tail
+            return SimRequest(id=rid, kind="x", token_ids=tokens, output_ids=[],
+                              chain=[external_hash(d) for d in hasher.hash_request(tokens)],
+                              event_extra_keys=[None] * (len(tokens) // B), **kw)
+
+        a, b = Engine("a", num_blocks=4, block_size=B), Engine("b", num_blocks=8, block_size=B)
+
+        def run(engine, r, others=()):
+            engine.submit(r)
+            engine.step(time.time, lambda h: tuple(e.worker for e in others if e.pool.holds(h)))
+            return truth_label(len(r.token_ids), r.cached_tokens, B, r.truth)
+
+        assert run(a, request("cold", [1])) is Label.NO_MATCH
+        assert run(b, request("elsewhere", [2]), others=[a]) is Label.ROUTING_MISS
+        assert run(a, request("reused", [3])) is Label.HIT
+        assert run(a, request("bypass", [4], skip_cache_read=True)) is Label.RESIDENT_MISS
+        failed = TransferAttempt(result=TransferResult.FAILED, source="b")
+        assert run(a, request("pd", [5] * (B + 1), transfer=failed)) is Label.TRANSFER_FAILURE
+        run(a, request("pressure", list(range(100, 100 + 4 * B - 1)), prefix=[]))  # evicts all
+        assert run(a, request("again", [6])) is Label.EVICTED
+
+
+def test_faults_are_named_or_all_or_none():
+    assert parse_faults("all") == {"drop", "hole", "lag", "restart", "transfer"}
+    assert parse_faults("none") == frozenset()
+    assert parse_faults("lag, drop") == {"lag", "drop"}
+    with pytest.raises(ValueError, match="unknown fault 'flood'"):
+        parse_faults("drop,flood")
+
+
+def test_the_demo_produces_every_label_and_no_wrong_verdict(tmp_path):
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmiss.enricher.cli", "demo", "--requests", "150", "--json",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode in (0, 1) and proc.stdout.strip(), proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["wrong_verdicts"] == 0, "\n".join(
+        f"{w['request_id']}: kvmiss {w['verdict']}, truth {w['truth']}: "
+        f"{w['true_holders_in_index']}"
+        for w in summary["wrong"])
+    assert proc.returncode == 0
+    assert set(summary["by_label"]) == {label.value for label in Label}
+    assert summary["requests"] == 150 == sum(summary["by_label"].values())
+    assert 0 <= summary["unknown_share"] <= 1
+    assert summary["streams"]["w1"]["replays_recovered"] >= 1  # the recoverable drops
+    assert summary["streams"]["w2"]["unrecoverable_gaps"] >= 1  # the tiny ring
+    assert summary["streams"]["w2"]["epoch_changes"] == 1  # the restart
+    records = (tmp_path / "attributions.jsonl").read_text().splitlines()
+    assert len(records) == 150
+    assert time.monotonic() - started < 120
