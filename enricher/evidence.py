@@ -136,6 +136,20 @@ def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | Non
     return None, (_NOT_HELD if known_empty else _Held(unresolved=History.GAP))
 
 
+def _clean_without(view: EpochView, key: int, t: float) -> bool:
+    """Fast proof of absence: no record of ``key`` at all, and the current run is continuous
+    from a known-empty point before t through a batch after t."""
+    since, through = view.known_empty_since, view.applied_through_ts
+    if since is None or through is None or not since <= t <= through or not view.epoch_certain:
+        return False
+    if t < view.runs[-1].start_ts:
+        return False
+    for table in view.media.values():
+        if key in table:
+            return False
+    return key not in view.pruned
+
+
 def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[tuple[Holder, ...], tuple[History, ...]]:
     """Every other tracked worker: who provably held H at t, and why the rest that may have
     cannot be ruled out. Both decide whether a label below routing_miss is provable."""
@@ -151,6 +165,8 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[tupl
             continue
         if view.first_ts is not None and t < view.first_ts:
             continue  # a fresh epoch before its first batch: its cache was still empty
+        if _clean_without(view, key, t):
+            continue  # the common case, in O(1): provably never had it
         medium, held = _worker_held(view, key, t)
         if held.node is not None:
             holders.append(Holder(worker, medium, held.node.stored_ts))  # type: ignore[arg-type]

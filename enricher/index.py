@@ -167,7 +167,12 @@ class PrunedFilter:
         self.count += 1
 
     def __contains__(self, block_hash: int) -> bool:
-        return all(self._bits[p >> 3] & (1 << (p & 7)) for p in self._positions(block_hash))
+        if not self.count:
+            return False
+        bits, m = self._bits, self._mask
+        a, b, c = block_hash & m, (block_hash >> 21) & m, (block_hash >> 42) & m
+        return bool(bits[a >> 3] & (1 << (a & 7)) and bits[b >> 3] & (1 << (b & 7))
+                    and bits[c >> 3] & (1 << (c & 7)))
 
 
 class EpochView:
@@ -191,6 +196,10 @@ class EpochView:
         self.horizon_ts: float | None = None  # records before this engine time may be gone
         self.first_ts: float | None = None
         self.siblings = SiblingRegistry() if divergence_detail else None
+        # Engine time since which the current run is continuous from a known-empty point (its
+        # epoch start or a clear), None while it is not: lets the fleet view rule a worker
+        # out in O(1) when it has no record of a block.
+        self.known_empty_since: float | None = None
 
     # --- applying -------------------------------------------------------------------
     # The hot path: every event of every worker passes here. Kept flat on purpose.
@@ -200,6 +209,7 @@ class EpochView:
         runs = self.runs
         if not runs or batch.run_start_seq != runs[-1].start_seq:
             runs.append(Run(batch))
+            self.known_empty_since = ts if batch.run_start is RunStart.EPOCH_START else None
         else:
             runs[-1].last_seq = seq
         self.epoch_certain = batch.epoch_certain
@@ -263,6 +273,7 @@ class EpochView:
 
     def _clear(self, seq: int, ts: float) -> None:
         self.clears.append((seq, ts))
+        self.known_empty_since = ts
         for medium, table in self.media.items():
             for key, record in table.items():
                 if record.__class__ is int:
