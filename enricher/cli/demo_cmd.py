@@ -1,10 +1,13 @@
 """`kvmiss demo`: run a simulated vLLM fleet through the real pipeline and show why requests missed.
 
 No external services: simulated workers publish real vLLM-format KV events on loopback
-ZeroMQ sockets, kvmiss's collector subscribes, and every finished request is attributed and
-checked against the simulator's ground truth. Progress goes to stderr; the summary to stdout
-(``--json``: one JSON object on stdout, the human summary on stderr). Exit status 1 when any
-verdict named a wrong cause.
+ZeroMQ sockets; `kvmiss serve` runs in-process (collector, index, OTLP receivers, file
+export); every finished request is sent as router and engine spans with the OTel SDK's
+OTLP exporters, and the labels kvmiss writes on them are read back from the exported file
+and checked against the simulator's ground truth. Writes an HTML report with PNG charts.
+Progress goes to stderr; the summary to stdout (``--json``: one JSON object on stdout, the
+human summary on stderr). Exit status 1 when any verdict named a wrong cause or a request
+never came back enriched.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", default="all",
                         help=f"comma list of {', '.join(FAULTS)}; or all / none (default all)")
     parser.add_argument("--out", default="./kvmiss-demo-out",
-                        help="directory for attribution records (default ./kvmiss-demo-out)")
+                        help="directory for the enriched spans, records, kvmiss.toml and the report "
+                             "(default ./kvmiss-demo-out)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -48,4 +52,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(human)
-    return 1 if summary["wrong_verdicts"] else 0
+    return 1 if summary["wrong_verdicts"] or summary["not_read_back"] else 0

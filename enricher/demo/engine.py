@@ -143,6 +143,9 @@ class SimRequest:
     chain: list[int]  # full-block hashes of prompt + output, engine external uint64 form
     event_extra_keys: list  # per block, as vLLM publishes them (untagged, no LoRA path)
     extra_key_kinds: tuple[str, ...] = ()
+    # The opt-in ``kvmiss.extra_keys`` JSON (an ExtraKeysSpec: salt, LoRA name and path):
+    # prompt material, sent only on spans that opt in and stripped by kvmiss before export.
+    extra_keys_json: str | None = None
     lora_id: int | None = None
     lora_name: str | None = None
     decode_steps: int = 0  # steps after the prefill step, one output block each
@@ -152,6 +155,8 @@ class SimRequest:
     # Set by the router and the engine:
     worker: str | None = None
     route_policy: str | None = None
+    routed_at: float | None = None  # wall clock of the routing decision
+    expected_blocks: list[int] = field(default_factory=list)  # prompt blocks new to the worker
     lookup_time: float | None = None
     cached_tokens: int = 0
     truth: LookupTruth | None = None

@@ -19,6 +19,7 @@ Each fault exercises one rule of ATTRIBUTION.md on real sockets:
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -158,6 +159,7 @@ class FaultRunner:
         self.sims, self.say = sims, say
         self.mark = {w: 0 for w in sims}  # `published` at the worker's previous fault
         self.restarts: dict[str, int] = {}  # worker -> tick it comes back
+        self.struck: list[tuple[float, str, str, str]] = []  # (wall time, worker, action, note)
 
     def run(self, tick: int) -> tuple[list[SimRequest], list[str]]:
         """Apply what is due at ``tick``: (requests to route again, workers that crashed)."""
@@ -169,6 +171,7 @@ class FaultRunner:
                 sim = self.sims[worker]
                 sim.buffer_steps = DEFAULT_RING  # the operator fixed the ring size
                 sim.start()
+                self.struck.append((time.time(), worker, "restart", "back as a new process"))
                 self.say(f"fault: {worker}: back as a new process on the same endpoints "
                          "(seq from 0, empty cache)")
         while self.queue and self._ready(self.queue[0], tick):
@@ -177,6 +180,7 @@ class FaultRunner:
             self.mark[event.worker] = sim.published
             if sim.publisher is None:
                 continue  # the worker is down: nothing to break
+            self.struck.append((time.time(), event.worker, event.action, event.note))
             self.say(f"fault: {event.worker}: {event.note}")
             faults = sim.publisher.faults
             if event.action in ("drop", "hole"):

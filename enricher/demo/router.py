@@ -20,9 +20,11 @@ from kvmiss.schemas.attribution import TransferAttempt, TransferResult
 class Router:
     """Chooses a worker for each request. Deterministic given ``seed`` and the loads."""
 
-    def __init__(self, workers: list[str], *, seed: int, disaggregate: bool = True,
-                 round_robin_share: float = 0.12, max_load_skew: int = 6):
+    def __init__(self, workers: list[str], *, seed: int, block_size: int = 16,
+                 disaggregate: bool = True, round_robin_share: float = 0.12,
+                 max_load_skew: int = 6):
         self.workers = list(workers)
+        self.block_size = block_size
         self.disaggregate = disaggregate
         self.rng = random.Random(seed)
         self.round_robin_share = round_robin_share
@@ -64,5 +66,10 @@ class Router:
 
     def _chose(self, request: SimRequest, worker: str, policy: str) -> str:
         request.worker, request.route_policy = worker, policy
-        self.known[worker].update(request.chain)
+        known = self.known[worker]
+        # The prompt blocks this worker has not been sent before: what the router expects
+        # it to compute and store (entered as speculative residency by the run loop).
+        prompt = request.chain[:len(request.token_ids) // self.block_size]
+        request.expected_blocks = [h for h in dict.fromkeys(prompt) if h not in known]
+        known.update(request.chain)
         return worker

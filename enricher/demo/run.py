@@ -1,27 +1,26 @@
-"""`kvmiss demo`: a simulated vLLM fleet through kvmiss's real collector and attribution.
+"""`kvmiss demo`: a simulated vLLM fleet through the whole real kvmiss pipeline.
 
 Wiring, all on loopback in one process:
 
     Workload -> Router -> Engine (per worker) -> Publisher (real PUB + replay ROUTER)
-        ~~ ZeroMQ ~~> Subscriber(Fleet) [collector thread] -> queue -> ResidencyIndex
-    finished request -> request_facts() -> Attributor -> attribution record
-                                         \\-> ground truth from the simulator -> agreement
+        ~~ ZeroMQ ~~> kvmiss serve (the real Service, its own thread: collector, index)
+    finished request -> spans (OTel SDK: router over OTLP/gRPC, engine over OTLP/HTTP)
+        ~~ OTLP ~~> kvmiss serve: assemble, wait for history, attribute, strip raw inputs
+        -> [export] file: enriched OTLP/JSON lines -> read back here -> kvmiss.label per
+           request -> compared with the simulator's ground truth -> summary + HTML report
 
 The engines step on the main thread, one after another, with one strictly increasing wall
-clock: lookups are stamped during a step, batches after it, as in vLLM. The collector's
-sink runs on its own thread and only enqueues; the main thread applies and attributes, so
-the index has one owner. A request is attributed once every worker's applied history has
-passed its lookup time (routing evidence needs the whole fleet), or when a bounded wait
-ends: then kvmiss answers from what it has, which is an honest unknown for a lagging worker.
+clock: lookups are stamped during a step, batches after it, as in vLLM. At routing time the
+router enters the prompt blocks it expects the worker to compute as speculative entries;
+the stores kvmiss collects confirm them (route-to-BlockStored latency).
 """
 
 from __future__ import annotations
 
 import collections
-import math
-import queue
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -29,33 +28,28 @@ from typing import IO, Any
 import msgspec
 import zmq
 
-from kvmiss.collectors.continuity import (
-    Apply, EpochUncertain, Hole, NewEpoch, Quarantine, Release, StreamConfig,
-)
-from kvmiss.collectors.fleet import Fleet
-from kvmiss.collectors.subscriber import Subscriber
-from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.demo.emit import SpanEmitter
 from kvmiss.enricher.demo.engine import SimRequest
-from kvmiss.enricher.demo.faults import FAULTS, FaultEvent, FaultRunner, SimWorker, plan_faults
-from kvmiss.enricher.demo.report import DemoReport
+from kvmiss.enricher.demo.faults import FAULTS, FaultRunner, SimWorker, plan_faults
+from kvmiss.enricher.demo.host import ASSEMBLE_WAIT_S, HISTORY_WAIT_S, KvmissHost, Speculation, demo_config
+from kvmiss.enricher.demo.report import UNKNOWN_BUDGET, DemoReport
 from kvmiss.enricher.demo.router import Router
+from kvmiss.enricher.demo.timeline import StreamNarrator, report_context
 from kvmiss.enricher.demo.truth import Agreement, holder_as_seen, judge, truth_label
 from kvmiss.enricher.demo.workload import Workload
-from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.privacy import DigestKey
-from kvmiss.schemas.attribution import RequestFacts
-from kvmiss.schemas.config import WorkerSpec
+from kvmiss.enricher.report import SpanFileTail, load_spans, write_report
+from kvmiss.enricher.service import Service
+from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 150  # per worker: small enough for LRU pressure from the long documents
 TICK_S = 0.012  # one engine step of every worker
-# Bounded waits for events to reach a request's lookup time: its own worker's (past it,
-# kvmiss answers "lagging"), and the rest of the fleet's (routing evidence needs them; a
-# longer wait costs latency, never correctness).
-WAIT_CHOSEN_S = 0.5
-WAIT_FLEET_S = 2.0
+CLOCK_STEP_S = 1e-5  # lookups and batch stamps stay apart through ns <-> float conversions
 PROGRESS_EVERY = 100
+READ_BACK_S = 10.0  # beyond the waits, how long the last enriched spans may take
 DEMO_DIGEST_SECRET = "kvmiss-demo: not a deployment secret"
+ENRICHED = "enriched.otlp.jsonl"
+RAW_MARKERS = ("kvmiss.token_ids", "kvmiss.extra_keys", "salt-", "/adapters/")
 
 
 @dataclass(frozen=True)
@@ -68,163 +62,136 @@ class DemoOptions:
 
 
 class StrictClock:
-    """Wall-clock seconds, strictly increasing: a lookup and the batch stamped after its
-    step must never share a timestamp, nor may two steps' batches."""
+    """Wall-clock seconds, strictly increasing by at least `CLOCK_STEP_S`: a lookup and the
+    batch stamped after its step must never share a timestamp, even after the lookup time
+    travelled as integer nanoseconds in a span."""
 
     def __init__(self) -> None:
         self.last = 0.0
 
     def __call__(self) -> float:
-        now = time.time()
-        self.last = now if now > self.last else math.nextafter(self.last, math.inf)
+        self.last = max(time.time(), self.last + CLOCK_STEP_S)
         return self.last
 
 
-def request_facts(request: SimRequest, block_size: int) -> RequestFacts:
-    """What the request's spans would say: the one place facts are built (a later step
-    emits them as OTel spans instead)."""
-    return RequestFacts(
-        request_id=request.id, prompt_tokens=len(request.token_ids),
-        cached_tokens=request.cached_tokens, block_size=block_size, worker=request.worker,
-        lookup_time=request.lookup_time,
-        block_hashes=request.chain[:len(request.token_ids) // block_size],
-        extra_key_kinds=request.extra_key_kinds,
-        transfers=(request.transfer,) if request.transfer is not None else (),
-        route_policy=request.route_policy,
-    )
-
-
-class Attributions:
-    """Attributes finished requests when the evidence is in, writes records, keeps score."""
-
-    def __init__(self, index: ResidencyIndex, workers: list[str], out_dir: Path, log: IO[str]):
-        self.index, self.workers, self.log = index, workers, log
-        self.attributor = Attributor(index, DigestKey(DEMO_DIGEST_SECRET))
-        self.report = DemoReport()
-        # (request, monotonic time it finished), in finishing order
-        self.pending: collections.deque[tuple[SimRequest, float]] = collections.deque()
-        self.records = open(out_dir / "attributions.jsonl", "wb")
-        self.truths = open(out_dir / "ground_truth.jsonl", "wb")
-        self.encoder = msgspec.json.Encoder()
-
-    def add(self, request: SimRequest) -> None:
-        self.pending.append((request, time.monotonic()))
-
-    def caught_up(self, worker: str, t: float) -> bool:
-        return any((through := v.applied_through_ts) is not None and through >= t
-                   for v in self.index.views(worker))
-
-    def ready(self, request: SimRequest, waited: float) -> bool:
-        t = request.lookup_time
-        if not self.caught_up(request.worker, t):
-            return waited >= WAIT_CHOSEN_S
-        return waited >= WAIT_FLEET_S or all(self.caught_up(w, t) for w in self.workers)
-
-    def run(self) -> int:
-        """Attribute every pending request that is ready; returns how many were."""
-        now, still, done = time.monotonic(), collections.deque(), 0
-        for request, finished in self.pending:
-            if not self.ready(request, now - finished):
-                still.append((request, finished))
-                continue
-            self._attribute(request)
-            done += 1
-        self.pending = still
-        return done
-
-    def _attribute(self, request: SimRequest) -> None:
-        facts = request_facts(request, BLOCK_SIZE)
-        record = self.attributor.record(facts)
-        truth = truth_label(facts.prompt_tokens, facts.cached_tokens, BLOCK_SIZE, request.truth)
-        agreement = judge(truth, record.verdict.label)
-        index_saw = []
-        if agreement is Agreement.WRONG and request.truth.other_holders:
-            first_miss = request.chain[facts.cached_tokens // BLOCK_SIZE]
-            index_saw = [holder_as_seen(self.index, w, first_miss, facts.lookup_time)
-                         for w in request.truth.other_holders]
-        wrong = self.report.add(record, truth, agreement, kind=request.kind,
-                                policy=request.route_policy, index_saw=index_saw)
-        if wrong is not None:
-            print(f"!!! {wrong.line()}", file=self.log, flush=True)
-        self.records.write(self.encoder.encode(record) + b"\n")
-        self.truths.write(self.encoder.encode({
-            "request_id": request.id, "kind": request.kind, "worker": request.worker,
-            "route_policy": request.route_policy, "truth": truth.value,
-            "verdict": record.verdict.label.value, "agreement": agreement.value,
-            "lookup_facts": request.truth,
-        }) + b"\n")
-
-    def close(self) -> None:
-        self.records.close()
-        self.truths.close()
-
-
 def run_demo(options: DemoOptions, log: IO[str] = sys.stderr) -> tuple[dict[str, Any], DemoReport]:
-    """Run the whole demo; returns the JSON summary and the report (for rendering)."""
+    """Run the whole demo; returns the JSON summary and the scored report."""
     started = time.monotonic()
-    out_dir = Path(options.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (ENRICHED, "attributions.jsonl", "report.html"):
+        (out / stale).unlink(missing_ok=True)
 
     def say(text: str) -> None:
         print(f"[{time.monotonic() - started:5.1f}s] {text}", file=log, flush=True)
 
     requests = Workload(options.seed, block_size=BLOCK_SIZE).generate(options.requests)
+    by_id = {r.id: r for r in requests}
     ids = [f"w{i}" for i in range(options.workers)]
     plan, rings = plan_faults(options.faults, ids, [r.arrival_tick for r in requests])
     ctx = zmq.Context()
     sims = {w: SimWorker(ctx, w, dp_rank=0, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          buffer_steps=rings[w]) for w in ids}
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-    index = ResidencyIndex(ids)
-    attributions = Attributions(index, ids, out_dir, log)
-    subscriber: Subscriber | None = None
+    diagnoses: dict[str, list[str]] = {}
+    report = DemoReport(by_id, BLOCK_SIZE, diagnoses)
+    speculation = Speculation()
+    host: KvmissHost | None = None
+    emitter: SpanEmitter | None = None
+    faults: FaultRunner | None = None
+    metrics_total = None
     try:
         say(f"phase: starting {len(ids)} simulated vLLM workers (PUB + replay ROUTER on loopback)")
         for sim in sims.values():
             sim.start()
-        specs = [WorkerSpec(id=w, endpoint=f"tcp://127.0.0.1:{s.pub_port}",
-                            replay_endpoint=f"tcp://127.0.0.1:{s.replay_port}")
-                 for w, s in sims.items()]
-        # An unanswered replay is retried after 0.5 s, not llm-d's (and kvmiss's default)
-        # 2 s: the demo's waits for evidence are shorter than that.
-        fleet = Fleet(specs, lambda worker, action: inbox.put((worker, action)),
-                      config=StreamConfig(replay_timeout_s=0.5))
-        subscriber = Subscriber(fleet, context=ctx)
-        subscriber.start()
+        endpoints = {w: (f"tcp://127.0.0.1:{s.pub_port}", f"tcp://127.0.0.1:{s.replay_port}")
+                     for w, s in sims.items()}
+        host = KvmissHost(demo_config(endpoints, out / ENRICHED, DEMO_DIGEST_SECRET, BLOCK_SIZE),
+                          out / "kvmiss.toml", records=out / "attributions.jsonl",
+                          speculation=speculation, diagnose=_diagnoser(by_id, diagnoses))
+        service = host.start()
+        emitter = SpanEmitter(service.receivers.grpc_port, service.receivers.http_port, BLOCK_SIZE)
+        say(f"phase: kvmiss serve running in-process (config {out / 'kvmiss.toml'}): OTLP gRPC "
+            f":{service.receivers.grpc_port}, HTTP :{service.receivers.http_port}, metrics "
+            f":{service.metrics_port}, export {out / ENRICHED}")
         time.sleep(0.3)  # let the SUB subscriptions reach the publishers
-        say(f"phase: kvmiss collector subscribed; driving {len(requests)} requests "
-            f"(seed {options.seed}, faults: {','.join(sorted(options.faults)) or 'none'})")
-        _drive(requests, sims, plan, index, attributions, inbox, options, say)
-        say("phase: workload done; waiting for the last events")
-        while attributions.pending:
-            _drain(inbox, index, say)
-            attributions.run()
-            time.sleep(0.01)
+        say(f"phase: driving {len(requests)} requests (seed {options.seed}, faults: "
+            f"{','.join(sorted(options.faults)) or 'none'}); spans go out as requests finish")
+        tail, narrator = SpanFileTail(out / ENRICHED), StreamNarrator(host.streams, say)
+        faults = FaultRunner(plan, sims, say)
+        progress = _Progress(report, tail, narrator, len(requests), say)
+        _drive(requests, sims, faults, emitter, speculation, progress, options)
+        say("phase: workload done; flushing spans and reading back the last enriched ones")
+        emitter.flush()
+        deadline = time.monotonic() + HISTORY_WAIT_S + ASSEMBLE_WAIT_S + READ_BACK_S
+        while len(report.rows) < len(requests) and time.monotonic() < deadline:
+            progress.poll()
+            time.sleep(0.05)
+        metrics_total = _scrape_requests_total(service.metrics_port)
     finally:
-        if subscriber is not None:
-            subscriber.shutdown()
+        if emitter is not None:
+            emitter.close()
+        if host is not None:
+            host.stop()
         for sim in sims.values():
             sim.shutdown()
-        attributions.close()
         ctx.destroy(linger=0)
-    extra = {"seed": options.seed, "workers": len(ids), "faults": sorted(options.faults),
-             "fault_events": [f"tick {e.tick} {e.worker}: {e.action}: {e.note}" for e in plan],
-             "runtime_s": round(time.monotonic() - started, 2), "out": str(out_dir)}
-    summary = attributions.report.as_json(fleet.streams, extra)
-    (out_dir / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
-    return summary, attributions.report
+    progress.poll()
+    speculation.expire(time.time() + speculation.entries.ttl_s)  # what never came is expired
+    stats = service.pipeline.stats
+    rows = load_spans(out / ENRICHED)
+    raw = any(marker in (out / ENRICHED).read_text() for marker in RAW_MARKERS)
+    extra = {
+        "seed": options.seed, "workers": len(ids), "faults": sorted(options.faults),
+        "fault_events": [f"tick {e.tick} {e.worker}: {e.action}: {e.note}" for e in plan],
+        "runtime_s": round(time.monotonic() - started, 2), "out": str(out),
+        "spans_emitted": emitter.spans, "spans_exported": stats.spans_out,
+        "spans_unenriched": dict(stats.unenriched), "metrics_requests_total": metrics_total,
+        "enriched_spans_file": str(out / ENRICHED), "raw_material_in_export": raw,
+        "route_to_stored": speculation.summary(), "history_wait_s": HISTORY_WAIT_S,
+        "assemble_wait_s": ASSEMBLE_WAIT_S,
+    }
+    summary = report.as_json(service.fleet.streams, extra)
+    context = report_context(summary, host.streams, faults, speculation, UNKNOWN_BUDGET)
+    (out / "report_context.json").write_bytes(msgspec.json.encode(context))
+    summary["report_path"] = str(write_report(rows, context, out))
+    summary["runtime_s"] = round(time.monotonic() - started, 2)
+    (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+    return summary, report
 
 
-def _drive(requests: list[SimRequest], sims: dict[str, SimWorker], plan: list[FaultEvent],
-           index: ResidencyIndex, attributions: Attributions, inbox: queue.SimpleQueue,
-           options: DemoOptions, say) -> None:
-    """The simulation loop: faults, arrivals, one step of every live worker, attribution."""
+class _Progress:
+    """Reads enriched spans back as they are written, scores them, narrates."""
+
+    def __init__(self, report: DemoReport, tail: SpanFileTail, narrator: StreamNarrator,
+                 total: int, say):
+        self.report, self.tail, self.narrator, self.total, self.say = report, tail, narrator, total, say
+
+    def poll(self) -> None:
+        self.narrator.narrate()
+        before = len(self.report.rows)
+        for row in self.tail.read_new():
+            wrong = self.report.add(row)
+            if wrong is not None:
+                self.say(f"!!! {wrong.line()}")
+        done = len(self.report.rows)
+        if done // PROGRESS_EVERY > before // PROGRESS_EVERY or (done == self.total > before):
+            counts = self.report.counts()
+            self.say(f"progress: {done}/{self.total} enriched requests read back "
+                     f"({counts[Agreement.AGREE]} agree, {counts[Agreement.UNKNOWN]} unknown, "
+                     f"{counts[Agreement.WRONG]} wrong)")
+
+
+def _drive(requests: list[SimRequest], sims: dict[str, SimWorker], faults: FaultRunner,
+           emitter: SpanEmitter, speculation: Speculation, progress: _Progress,
+           options: DemoOptions) -> None:
+    """The simulation loop: faults, arrivals and routing, one step of every live worker,
+    spans for what finished."""
     clock = StrictClock()
-    router = Router(list(sims), seed=options.seed + 1, disaggregate="transfer" in options.faults)
+    router = Router(list(sims), seed=options.seed + 1, block_size=BLOCK_SIZE,
+                    disaggregate="transfer" in options.faults)
     arrivals = collections.deque(requests)
     retry: list[SimRequest] = []
-    faults = FaultRunner(plan, sims, say)
-    attributed, tick = 0, 0
+    tick = 0
     while arrivals or retry or any(s.engine is not None and s.engine.load for s in sims.values()):
         began = time.monotonic()
         lost, crashed = faults.run(tick)
@@ -242,6 +209,8 @@ def _drive(requests: list[SimRequest], sims: dict[str, SimWorker], plan: list[Fa
                 retry.append(request)
                 continue
             worker = router.route(request, loads)
+            request.routed_at = time.time()
+            speculation.route(worker, request.expected_blocks, request.routed_at)
             sims[worker].engine.submit(request)
             loads[worker] += 1
         for worker, sim in sims.items():
@@ -251,18 +220,9 @@ def _drive(requests: list[SimRequest], sims: dict[str, SimWorker], plan: list[Fa
             if batch is not None:
                 sim.publish(batch)
             for request in finished:
-                attributions.add(request)
-        _drain(inbox, index, say)
-        done = attributions.run()
-        if (attributed + done) // PROGRESS_EVERY > attributed // PROGRESS_EVERY:
-            report = attributions.report
-            counts = collections.Counter()
-            for per_label in report.agreement.values():
-                counts.update(per_label)
-            say(f"progress: {attributed + done}/{len(requests)} attributed "
-                f"({counts[Agreement.AGREE]} agree, {counts[Agreement.UNKNOWN]} unknown, "
-                f"{counts[Agreement.WRONG]} wrong)")
-        attributed += done
+                emitter.emit(request, time.time())
+        speculation.expire(time.time())
+        progress.poll()
         tick += 1
         time.sleep(max(0.0, TICK_S - (time.monotonic() - began)))
 
@@ -274,23 +234,29 @@ def _probe(sims: dict[str, SimWorker], me: str):
     return probe
 
 
-def _drain(inbox: queue.SimpleQueue, index: ResidencyIndex, say) -> None:
-    """Apply what the collector thread produced; narrate the stream events that matter."""
-    while True:
-        try:
-            worker, action = inbox.get_nowait()
-        except queue.Empty:
+def _diagnoser(by_id: dict[str, SimRequest], diagnoses: dict[str, list[str]]):
+    """On the service's loop thread, as kvmiss judges: for a verdict the simulator knows to
+    be wrong, what the index held about the true holders at the lookup time."""
+    def diagnose(service: Service, facts: RequestFacts, verdict: Verdict) -> None:
+        request = by_id.get(facts.request_id or "")
+        if request is None or request.truth is None or facts.lookup_time is None:
             return
-        if isinstance(action, Apply):
-            index.apply(action.batch)
-        elif isinstance(action, Hole):
-            say(f"kvmiss: {worker} hole seq {action.from_seq}..{action.to_seq} "
-                f"({action.reason.value}{': ' + action.detail if action.detail else ''})")
-        elif isinstance(action, Quarantine):
-            say(f"kvmiss: {worker} quarantined from seq {action.from_seq}")
-        elif isinstance(action, Release):
-            say(f"kvmiss: {worker} released at seq {action.seq} ({action.cause.value})")
-        elif isinstance(action, NewEpoch):
-            say(f"kvmiss: {worker} new epoch {action.epoch} ({action.cause.value})")
-        elif isinstance(action, EpochUncertain):
-            say(f"kvmiss: {worker} epoch {action.epoch} uncertain ({action.reason.value})")
+        truth = truth_label(facts.prompt_tokens, facts.cached_tokens, BLOCK_SIZE, request.truth)
+        if judge(truth, verdict.label) is not Agreement.WRONG or truth is not Label.ROUTING_MISS:
+            return
+        first_miss = request.chain[facts.cached_tokens // BLOCK_SIZE]
+        diagnoses[request.id] = [holder_as_seen(service.index, w, first_miss, facts.lookup_time)
+                                 for w in request.truth.other_holders]
+    return diagnose
+
+
+def _scrape_requests_total(port: int | None) -> int | None:
+    """kvmiss's own /metrics: the sum of kvmiss_requests_total (a cross-check of the count)."""
+    if port is None:
+        return None
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvmiss_requests_total{")))

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import random
 
+import msgspec
+
 from kvmiss.enricher.demo.engine import SimRequest
 from kvmiss.enricher.hashing import BlockHasher, LoraRef, RequestExtras, external_hash
+from kvmiss.schemas.prompt import ExtraKeysSpec, LoraSpec
 
 VOCAB = 32_000
 KIND_WEIGHTS = {
@@ -70,7 +73,7 @@ class Workload:
 
     def _make(self, request_id: str, kind: str) -> SimRequest:
         rng, size = self.rng, self.block_size
-        extras, kinds, lora = None, (), None
+        extras, kinds, lora, spec = None, (), None, None
         system = self._system_prompt()
         if kind == "exact":
             tokens = list(system)
@@ -82,10 +85,13 @@ class Workload:
         else:
             tokens = system + self._question()
         if kind == "tenant":
-            extras, kinds = RequestExtras(cache_salt=f"salt-{rng.choice(TENANTS)}"), ("cache_salt",)
+            salt = f"salt-{rng.choice(TENANTS)}"
+            extras, kinds = RequestExtras(cache_salt=salt), ("cache_salt",)
+            spec = ExtraKeysSpec(cache_salt=salt)
         elif kind == "lora":
             lora = rng.choice(ADAPTERS)
             extras, kinds = RequestExtras(lora=LoraRef(lora[0], lora[1])), ("lora",)
+            spec = ExtraKeysSpec(lora=LoraSpec(name=lora[0], path=lora[1]))
         decode_steps = rng.randint(0, 6)
         output = self._tokens(decode_steps * size)
         everything = tokens + output
@@ -94,6 +100,7 @@ class Workload:
             id=request_id, kind=kind, token_ids=tokens, output_ids=output, chain=chain,
             event_extra_keys=self.event_keys.block_extra_keys(everything, extras),
             extra_key_kinds=kinds,
+            extra_keys_json=msgspec.json.encode(spec).decode() if spec is not None else None,
             lora_id=lora[2] if lora else None, lora_name=lora[0] if lora else None,
             decode_steps=decode_steps, skip_cache_read=kind == "logprobs",
         )
