@@ -25,6 +25,7 @@ REPLAY_RETRIES = 3  # unanswered requests re-sent before the hole is written off
 REPLAY_BACKOFF = 2.0  # each retry waits this many times longer: 2, 4, 8, 16 s by default
 REPLAY_COOLDOWN_S = 30.0  # after a replay went unanswered, new holes are not asked for meanwhile
 RECOVERY_BUFFER_LIMIT = 10_000  # batches held while a hole is recovered; oldest dropped first
+TAIL_PROBE_INTERVAL_S = 0.5  # idle this long (nothing received): ask replay what follows our tail
 
 
 class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +37,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay_cooldown_s: float = REPLAY_COOLDOWN_S
     buffer_limit: int = RECOVERY_BUFFER_LIMIT
     first_seq: int = 0  # the publisher's first sequence number (vLLM/SGLang 0, llm-d simulator 1)
+    # A live stream with a replay endpoint that has received nothing for this long sends a
+    # tail probe (see `RecoveryPurpose.TAIL_PROBE`); None disables probing.
+    tail_probe_interval_s: float | None = TAIL_PROBE_INTERVAL_S
 
 
 class Received(msgspec.Struct, frozen=True):
@@ -101,7 +105,7 @@ class Cursor(enum.Enum):
     """Where the stream is in its epoch (derived from `StreamState`)."""
 
     INITIAL = "initial"  # nothing applied in this epoch yet, no replay outstanding
-    LIVE = "live"  # every batch up to `applied_seq` is accounted for, nothing outstanding
+    LIVE = "live"  # every batch up to `applied_seq` is accounted for; at most a tail probe out
     RECOVERING = "recovering"  # a replay request is outstanding; later live batches are held
     VERIFYING = "verifying"  # after a reconnect: is it still the same process? nothing applied
 
@@ -153,6 +157,11 @@ class RecoveryPurpose(enum.Enum):
     FROM_ZERO = "from_zero"  # nothing applied in this epoch: ask for all of it
     GAP = "gap"  # a hole after `applied_seq`
     VERIFY = "verify"  # re-read the last applied batch to check identity after a reconnect
+    # Idle: re-read the last applied batch and whatever follows it. Our own batch back, byte
+    # for byte, then only the end marker proves the same process had published nothing after
+    # it when it answered (`TailConfirmed`); batches after it are a tail lost live, applied
+    # like a recovered hole. Silence proves nothing and writes nothing off.
+    TAIL_PROBE = "tail_probe"
 
 
 # --- state as a value ----------------------------------------------------------------------
@@ -179,6 +188,8 @@ class Recovery(msgspec.Struct, kw_only=True):
     answered: bool = False  # at least one reply arrived for this request
     first_seq: int | None = None  # first replayed seq at or after `start`
     lost: bool = False  # this request ended with a hole written off
+    sent: float | None = None  # when this request (this attempt) was handed out
+    verified: bool = False  # a tail probe got our last applied batch back, same bytes
 
 
 class Quarantined(msgspec.Struct, frozen=True):
@@ -211,6 +222,7 @@ class StreamState(msgspec.Struct, kw_only=True):
     recovery: Recovery | None = None
     last_request_id: int = 0
     cooldown_until: float | None = None
+    probe_due: float | None = None  # earliest next tail probe; None: nothing heard yet
 
 
 class StreamHealth(msgspec.Struct, kw_only=True):
@@ -234,6 +246,16 @@ class StreamHealth(msgspec.Struct, kw_only=True):
     last_contiguous_seq: int | None = None
     oldest_replayable_seq: int | None = None  # first seq of the latest replay reply
     peak_batches_per_s: int = 0  # most batches in one whole second of engine ``ts``
+    # Tail probes (not counted in replays_* above): sent (retries included); answered with
+    # proof of an idle tail; answered with batches lost live (then applied); answered without
+    # our last batch (a restarted process or an empty ring: nothing proven); superseded by a
+    # live batch or a reconnect before their answer; given up unanswered after every retry.
+    tail_probes: int = 0
+    tail_confirmations: int = 0
+    tail_recoveries: int = 0
+    tail_unverified: int = 0
+    tail_probes_superseded: int = 0
+    tail_probes_unanswered: int = 0
 
 
 def bump(counter: dict, key: enum.Enum, by: int = 1) -> None:
@@ -261,6 +283,7 @@ class RequestReplay(msgspec.Struct, frozen=True):
     start_seq: int
     request_id: int
     attempt: int = 0
+    tail_probe: bool = False  # an idle stream's probe, not the recovery of a known hole
 
 
 class NewEpoch(msgspec.Struct, frozen=True):
@@ -305,7 +328,20 @@ class EpochUncertain(msgspec.Struct, frozen=True):
     reason: Unverified
 
 
-StreamAction = Apply | RequestReplay | NewEpoch | Hole | Quarantine | Release | EpochUncertain
+class TailConfirmed(msgspec.Struct, frozen=True):
+    """Proof of an idle tail: batch ``seq`` of ``epoch`` was the last one the publisher had
+    published when it answered a tail probe sent at ``at`` (caller's clock, seconds; the
+    send time, so the answer came later). Every batch published before ``at`` is applied.
+    Repeated while the worker stays idle; superseded by the next `Apply`."""
+
+    epoch: int
+    seq: int
+    at: float
+
+
+StreamAction = (
+    Apply | RequestReplay | NewEpoch | Hole | Quarantine | Release | EpochUncertain | TailConfirmed
+)
 
 
 # --- identity -------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable
 
+import msgspec
+
 from kvmiss.collectors.continuity import RequestReplay, StreamAction, StreamConfig
 from kvmiss.collectors.frames import parse_live, parse_replay
 from kvmiss.collectors.recording import ReadStats, RecordedMessage, read_recording
@@ -57,12 +59,12 @@ class Fleet:
         return self._dispatch(worker, actions)
 
     def on_tick(self, now: float) -> list[tuple[str, RequestReplay]]:
-        """Run every due timer (replay time-outs and retries)."""
+        """Run every due timer (replay time-outs and retries, tail probes). Every stream is
+        told the time, due or not, so time-based health (seconds quarantined) keeps up with
+        a worker that has gone quiet; a stream with nothing due does nothing else."""
         out = []
         for worker, stream in self.streams.items():
-            deadline = stream.next_deadline
-            if deadline is not None and deadline <= now:
-                out += [(worker, r) for r in self._dispatch(worker, stream.on_tick(now))]
+            out += [(worker, r) for r in self._dispatch(worker, stream.on_tick(now))]
         return out
 
     def next_deadline(self) -> float | None:
@@ -87,9 +89,15 @@ def play_recording(path: str, fleet: Fleet, stats: ReadStats | None = None) -> i
     ``tick`` record wherever a timer came due, between the same two messages as live, and
     only those run, so playback takes every time-out decision the live run took. A recording
     without tick records (hand-made, or older) runs each due timer before the first message
-    received after it. Either way the same file always yields the same applied batches.
+    received after it, with tail probes turned off in ``fleet``'s streams (no probe was sent
+    live at those points). Either way the same file always yields the same applied batches.
     """
     recorded_ticks = any(m.socket == TICK for m in read_recording(path))
+    if not recorded_ticks:
+        # Without tick records, timers run before each message; a tail probe run that way
+        # never happened live, and a stale reply in the file would be handed to it.
+        for stream in fleet.streams.values():
+            stream.config = msgspec.structs.replace(stream.config, tail_probe_interval_s=None)
     played = 0
     for message in read_recording(path, stats):
         _play_one(fleet, message, recorded_ticks)

@@ -114,7 +114,7 @@ def read_recording(path: str | os.PathLike, stats: ReadStats | None = None) -> I
                 break
             try:
                 message = _decoder.decode(body)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):  # nesting past the limit: not ours
                 break
             stats.records += 1
             yield message

@@ -23,6 +23,17 @@ The rules (shared/spec/ATTRIBUTION.md 1-3, shared/reference/WIRE.md):
     process: new epoch, replay from 0. After a reconnect without instance ids, the last
     applied batch is re-read through replay and compared byte for byte before anything
     else is applied; if that cannot be done, the epoch is marked uncertain.
+  * Engines publish only when a step produced events, so silence cannot tell an idle
+    worker from a lagging one or from a lost last batch. A live stream with a replay
+    endpoint that has heard nothing for ``tail_probe_interval_s`` sends a tail probe: it
+    re-reads the last applied batch and everything after it. The same bytes back and then
+    the end marker prove the same process had published nothing more when it answered
+    (`TailConfirmed`, stamped with the probe's send time); batches after it are a tail lost
+    live, applied like a recovered hole; other bytes at that seq are another process (a new
+    uncertain epoch, as after a reconnect). A probe that gets no answer confirms nothing and
+    writes nothing off. Probes are not sent during a replay cooldown, and are sent while
+    quarantined (a lost tail may hold the clear that ends the quarantine). A live batch
+    arriving while a probe is out supersedes it.
 """
 
 from __future__ import annotations
@@ -30,8 +41,8 @@ from __future__ import annotations
 from kvmiss.collectors.continuity import (
     Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
     Quarantine, Quarantined, Received, Recovery, RecoveryPurpose, Release, ReorderBuffer,
-    RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, Unverified, bump,
-    instance_from_topic,
+    RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, TailConfirmed,
+    Unverified, bump, instance_from_topic,
 )
 from kvmiss.collectors.frames import BatchMessage, FrameError, Message, ReplayEnd, WireError
 from kvmiss.schemas.events import AllBlocksCleared
@@ -74,7 +85,7 @@ class WorkerStream:
     @property
     def cursor(self) -> Cursor:
         recovery = self.state.recovery
-        if recovery is not None:
+        if recovery is not None and recovery.purpose is not RecoveryPurpose.TAIL_PROBE:
             verifying = recovery.purpose is RecoveryPurpose.VERIFY
             return Cursor.VERIFYING if verifying else Cursor.RECOVERING
         return Cursor.INITIAL if self.state.applied_seq is None else Cursor.LIVE
@@ -87,7 +98,7 @@ class WorkerStream:
     def next_deadline(self) -> float | None:
         """When `on_tick` has work to do (caller's clock, seconds); None: nothing pending."""
         recovery = self.state.recovery
-        return recovery.deadline if recovery is not None else None
+        return recovery.deadline if recovery is not None else self._probe_due()
 
     @property
     def held(self) -> int:
@@ -102,6 +113,7 @@ class WorkerStream:
         if message.seq is None:
             bump(self.health.dropped, DropReason.FRAME_ERROR)
             return self._end()
+        self._supersede_probe()
         state, seq = self.state, message.seq
         instance = None
         if self.topic_template is not None and isinstance(message, BatchMessage):
@@ -115,6 +127,7 @@ class WorkerStream:
             state.instance = instance
         state.live_seen = seq
         self._offer(Received(message, now, replayed=False))
+        self._heard(now)
         return self._end()
 
     def on_replay(self, message: Message, request_id: int, now: float) -> list[StreamAction]:
@@ -126,16 +139,20 @@ class WorkerStream:
             return self._end()
         if isinstance(message, ReplayEnd):
             self._replay_ended(recovery)
+            self._heard(now)
             return self._end()
         recovery.answered = True
         recovery.deadline = now + self._wait(recovery.attempt)  # an idle timeout, not a total one
+        self._heard(now)
         if message.seq is None:
             bump(self.health.dropped, DropReason.FRAME_ERROR)
             return self._end()
         item = Received(message, now, replayed=True)
         if recovery.first_seq is None and item.seq >= recovery.start:
-            recovery.first_seq = self.health.oldest_replayable_seq = item.seq
-            if recovery.purpose is RecoveryPurpose.VERIFY:
+            recovery.first_seq = item.seq
+            if recovery.purpose is not RecoveryPurpose.TAIL_PROBE:  # a probe starts at the newest
+                self.health.oldest_replayable_seq = item.seq
+            if recovery.purpose in (RecoveryPurpose.VERIFY, RecoveryPurpose.TAIL_PROBE):
                 self._verify_identity(recovery, item)
                 return self._end()
             if item.seq > recovery.start:
@@ -147,13 +164,19 @@ class WorkerStream:
         """Time passed; call at `next_deadline` (earlier or later is harmless)."""
         self._begin(now)
         recovery = self.state.recovery
-        if recovery is not None and now >= recovery.deadline:
-            self._replay_timed_out(recovery)
+        if recovery is not None:
+            if now >= recovery.deadline:
+                self._replay_timed_out(recovery)
+        elif (due := self._probe_due()) is not None and now >= due:
+            last, applied = self.state.last_payload_seq, self.state.applied_seq
+            assert last is not None and applied is not None, "a probe needs a readable tail"
+            self._request(RecoveryPurpose.TAIL_PROBE, last, applied)
         return self._end()
 
     def on_reconnect(self, now: float) -> list[StreamAction]:
         """The SUB socket (re)connected: call before its first message (a first connect is fine)."""
         self._begin(now)
+        self._supersede_probe()  # the reconnect check (or nothing) replaces it
         state, recovery = self.state, self.state.recovery
         topic_says_who = self.topic_template is not None and state.instance is not None
         if state.applied_seq is None or topic_says_who:
@@ -227,6 +250,9 @@ class WorkerStream:
                 self._apply(item)
 
     def _replay_ended(self, recovery: Recovery) -> None:
+        if recovery.purpose is RecoveryPurpose.TAIL_PROBE:
+            self._probe_ended(recovery)
+            return
         if recovery.purpose is RecoveryPurpose.VERIFY:  # the ring held nothing to compare
             self._unverified(Unverified.NOT_IN_RING)
         if self._next_seq() <= recovery.proven_to:  # published before we asked, yet not sent
@@ -239,7 +265,44 @@ class WorkerStream:
             self.health.replays_recovered += 1
         self._settle()  # batches published after we asked and dropped from the buffer: ask again
 
+    def _probe_ended(self, recovery: Recovery) -> None:
+        """The end marker of a tail probe's answer (or its last time-out, ``answered``)."""
+        state = self.state
+        state.recovery = None
+        if state.applied_seq is not None and state.applied_seq > recovery.proven_to:
+            self.health.tail_recoveries += 1  # batches lost live, now applied
+        if recovery.first_seq is None:
+            # Not even our last batch came back: this publisher's newest batch is older than
+            # the one we applied last. A restarted process, or a ring that keeps nothing:
+            # nothing is proven, and live traffic will tell (a seq reset).
+            self.health.tail_unverified += 1
+        elif recovery.verified and not self._held and state.applied_seq is not None:
+            assert recovery.sent is not None, "every request records when it was sent"
+            self.health.tail_confirmations += 1
+            self._out.append(TailConfirmed(state.epoch, state.applied_seq, recovery.sent))
+        self._settle()
+
+    def _probe_timed_out(self, recovery: Recovery) -> None:
+        """Silence proves nothing is missing as little as it proves nothing is there: retry,
+        then give up without a confirmation and without writing anything off."""
+        state, config = self.state, self.config
+        if not recovery.answered and recovery.attempt < config.replay_retries:
+            self._request(recovery.purpose, recovery.start, recovery.proven_to, recovery.attempt + 1)
+            return
+        state.recovery = None
+        if recovery.answered:  # it was sending, then went quiet: the next probe asks again
+            if state.applied_seq is not None and state.applied_seq > recovery.proven_to:
+                self.health.tail_recoveries += 1
+            self._heard(self._clock())
+        else:  # nobody answers: probe again once a cooldown has passed
+            self.health.tail_probes_unanswered += 1
+            state.probe_due = self._clock() + config.replay_cooldown_s
+        self._settle()
+
     def _replay_timed_out(self, recovery: Recovery) -> None:
+        if recovery.purpose is RecoveryPurpose.TAIL_PROBE:
+            self._probe_timed_out(recovery)
+            return
         state, config = self.state, self.config
         self.health.replay_timeouts += 1
         if recovery.answered:  # it was sending, then went quiet: ask again from where we are
@@ -271,7 +334,10 @@ class WorkerStream:
         message = item.message
         same_bytes = isinstance(message, BatchMessage) and message.payload == state.last_payload
         if same_seq and same_bytes:
-            recovery.purpose = RecoveryPurpose.GAP  # same process: the rest of the reply fills gaps
+            if recovery.purpose is RecoveryPurpose.TAIL_PROBE:
+                recovery.verified = True  # same process: what follows is a tail lost live
+            else:
+                recovery.purpose = RecoveryPurpose.GAP  # same process: the rest fills gaps
             self._settle()
             return
         if same_seq:  # same position, other bytes: another process answers at this endpoint
@@ -279,7 +345,8 @@ class WorkerStream:
             self._new_epoch(cause, state.instance, certain=False, keep_held=True)
             self.state.live_seen = self._held.last()  # held live batches are the new process's
         else:
-            recovery.purpose = RecoveryPurpose.GAP
+            if recovery.purpose is RecoveryPurpose.VERIFY:
+                recovery.purpose = RecoveryPurpose.GAP
             self._unverified(Unverified.NOT_IN_RING)
             if item.seq > self._next_seq():
                 self._ring_moved_on(item.seq)
@@ -372,14 +439,42 @@ class WorkerStream:
     def _request(
         self, purpose: RecoveryPurpose, start: int, proven_to: int, attempt: int = 0
     ) -> None:
-        state = self.state
+        state, now = self.state, self._clock()
         state.last_request_id += 1
         state.recovery = Recovery(
             purpose=purpose, request_id=state.last_request_id, start=start, proven_to=proven_to,
-            attempt=attempt, deadline=self._clock() + self._wait(attempt),
+            attempt=attempt, deadline=now + self._wait(attempt), sent=now,
         )
-        self.health.replays_requested += 1
-        self._out.append(RequestReplay(start, state.last_request_id, attempt))
+        probe = purpose is RecoveryPurpose.TAIL_PROBE
+        if probe:
+            self.health.tail_probes += 1
+        else:
+            self.health.replays_requested += 1
+        self._out.append(RequestReplay(start, state.last_request_id, attempt, tail_probe=probe))
+
+    def _supersede_probe(self) -> None:
+        """A live batch (or a reconnect) makes an outstanding tail probe moot: drop it; its
+        replies will be stale."""
+        recovery = self.state.recovery
+        if recovery is not None and recovery.purpose is RecoveryPurpose.TAIL_PROBE:
+            self.state.recovery = None
+            self.health.tail_probes_superseded += 1
+
+    def _heard(self, now: float) -> None:
+        """Something arrived: the next tail probe is due one interval of silence from now."""
+        interval = self.config.tail_probe_interval_s
+        self.state.probe_due = None if interval is None else now + interval
+
+    def _probe_due(self) -> float | None:
+        """When a tail probe may be sent: a live stream (nothing outstanding or held) with a
+        replay endpoint, a readable last batch to compare, and replay not cooling down."""
+        state = self.state
+        if (self.config.tail_probe_interval_s is None or not self.replay
+                or state.recovery is not None or state.probe_due is None
+                or state.last_payload_seq is None or state.applied_seq is None or self._held):
+            return None
+        until = state.cooldown_until
+        return state.probe_due if until is None else max(state.probe_due, until)
 
     # --- small helpers ----------------------------------------------------------------------
 

@@ -6,11 +6,21 @@ request finishes). Fragments are grouped by trace id and request id; fragments w
 request id (a transfer span, a router that does not set one) join the trace's only named
 request, or stand alone when the trace has none or several.
 
+The kvmiss vLLM plugin's lookup spans (``kvmiss.prefix_lookup``, SpanFacts.engine_lookup)
+carry the *engine's* request id, which vLLM derives from the API id on ``llm_request`` and
+router spans by appending ``-<8 chars>`` (older versions: equal). A lookup joins the open
+request of its trace whose id it equals or extends at a ``-``; failing that, the trace's only
+request when the trace holds one request and one lookup. Until a request span comes, a lookup
+waits (bounded by the pipeline); then it is judged alone -- its facts are complete. Router
+facts (route decision, cached tokens, transfers) win over the lookup's; the engine's own
+lookup time, block chain and block size win over anyone's.
+
 Pure: no clock, no I/O. The pipeline decides when to stop waiting.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import msgspec
@@ -18,7 +28,7 @@ import msgspec
 from kvmiss.enricher.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
 from kvmiss.schemas.prompt import ExtraKeysSpec
 from kvmiss.enricher.spans import SpanFacts
-from kvmiss.schemas.attribution import RequestFacts
+from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
 
 
 _extra_keys_decoder = msgspec.json.Decoder(ExtraKeysSpec)
@@ -46,35 +56,147 @@ class Assembly:
         self.done = False
 
     def merged(self) -> SpanFacts:
-        """Field by field, the first fragment that has a value wins; an explicit lookup
+        """Field by field, the first fragment that has a value wins -- except that an engine
+        lookup span's measured facts (`ENGINE_FACTS`) beat everyone's; an explicit lookup
         time beats one derived from queue time."""
         out = SpanFacts()
-        for fragment in self.fragments:
+        for fragment in self._request_spans_first():
             for field in fragment.facts.__struct_fields__:
                 value = getattr(fragment.facts, field)
                 if value is not None and getattr(out, field) is None and field != "transfer":
                     setattr(out, field, value)
+        for fragment in self.fragments:
+            if fragment.facts.engine_lookup:
+                for field in ENGINE_FACTS:
+                    value = getattr(fragment.facts, field)
+                    if value is not None:
+                        setattr(out, field, value)
+                break
+        # The engine's chain stops at its own first miss; a router's cached count may reach
+        # further (tokens loaded from elsewhere): then the longer chain is the usable one.
+        for fragment in self.fragments:
+            chain = fragment.facts.block_hashes
+            if chain is not None and len(chain) > len(out.block_hashes or ()):
+                out.block_hashes = chain
         if out.instance is None:
             out.instance = next((f.instance for f in self.fragments if f.instance), None)
         return out
+
+    def _request_spans_first(self) -> list[Fragment]:
+        fragments = self.fragments
+        if not any(f.facts.engine_lookup for f in fragments):
+            return fragments
+        return sorted(fragments, key=lambda f: f.facts.engine_lookup)  # stable
+
+    def awaits_request_span(self) -> bool:
+        """Only engine lookup spans so far (plus maybe spans without a request id): the
+        request's own span (``llm_request``, a router's) has not come yet."""
+        lookup = False
+        for fragment in self.fragments:
+            if fragment.facts.engine_lookup:
+                lookup = True
+            elif fragment.facts.request_id is not None:
+                return False
+        return lookup
+
+    def request_ids(self) -> set[str]:
+        ids = {f.facts.request_id for f in self.fragments if f.facts.request_id is not None}
+        if self.request_id is not None:
+            ids.add(self.request_id)
+        return ids
 
     def transfers(self) -> tuple:
         return tuple(f.facts.transfer for f in self.fragments if f.facts.transfer is not None)
 
     def outcome_fragment(self) -> Fragment:
         """The span that carries the request's cache outcome gets the verdict: the one with
-        cached tokens, else the one with prompt tokens, else the first."""
+        cached tokens, else the one with prompt tokens, else the first (a request's own
+        spans before engine lookup spans)."""
         for wanted in ("cached_tokens", "prompt_tokens"):
-            for fragment in self.fragments:
+            for fragment in self._request_spans_first():
                 if getattr(fragment.facts, wanted) is not None:
                     return fragment
         return self.fragments[0]
+
+
+# Measured by the engine at the lookup itself: an engine lookup span's value wins.
+ENGINE_FACTS = ("lookup_time", "block_hashes", "block_size", "resource_worker")
+
+
+def ids_related(engine_id: str, request_id: str) -> bool:
+    """The engine id is the API id, or extends it at a ``-`` (vLLM's random suffix)."""
+    return engine_id == request_id or engine_id.startswith(request_id + "-")
+
+
+def join_target(assembly: Assembly, trace: dict[str | None, Assembly]) -> Assembly | None:
+    """The open assembly of the same trace that ``assembly``'s fragments belong to, if any.
+
+    A fragment set without a request id joins the trace's only open request (or, while the
+    trace has none, its only waiting engine lookup); an engine lookup with no request span
+    joins the request whose id its engine id equals or extends, else the trace's only request
+    when the trace holds one request and this one lookup."""
+    others = [a for key, a in trace.items() if key is not None and not a.done and a is not assembly]
+    requests = [a for a in others if not a.awaits_request_span()]
+    if assembly.request_id is None:
+        if len(requests) == 1:
+            return requests[0]
+        lookups = [a for a in others if a.awaits_request_span()]
+        return lookups[0] if not requests and len(lookups) == 1 else None
+    if not assembly.awaits_request_span():
+        return None
+    related = [a for a in requests if any(ids_related(assembly.request_id, i) for i in a.request_ids())]
+    if related:
+        return max(related, key=lambda a: len(a.request_id or ""))
+    if len(requests) == 1 and len(requests) == len(others):
+        return requests[0]  # one request, one lookup: the trace join
+    return None
+
+
+class JudgedRequests:
+    """Request ids judged recently, by trace (bounded, oldest trace forgotten first).
+
+    Lets a late partner pass through instead of being judged a second time: an engine lookup
+    whose request was already judged from a router span, or an ``llm_request`` span whose
+    lookup was judged alone. A span whose own id was judged (a re-sent span) is not a late
+    partner: it is judged again, as before."""
+
+    def __init__(self, max_traces: int = 20_000):
+        self.max_traces = max_traces
+        self._by_trace: collections.OrderedDict[bytes, set[str]] = collections.OrderedDict()
+
+    def add(self, assembly: Assembly) -> None:
+        ids = assembly.request_ids()
+        if not ids:
+            return
+        known = self._by_trace.get(assembly.trace_id)
+        if known is None:
+            self._by_trace[assembly.trace_id] = ids
+            if len(self._by_trace) > self.max_traces:
+                self._by_trace.popitem(last=False)
+        else:
+            known |= ids
+
+    def judged_partner(self, assembly: Assembly) -> bool:
+        known = self._by_trace.get(assembly.trace_id)
+        mine = assembly.request_ids()
+        if not known or not mine or mine & known:
+            return False
+        return any(ids_related(a, b) or ids_related(b, a) for a in mine for b in known)
+
+    def __len__(self) -> int:
+        return len(self._by_trace)
 
 
 class MissingFacts(msgspec.Struct, frozen=True):
     """Why an assembly cannot be judged yet (or ever): the names of the missing facts."""
 
     missing: tuple[str, ...]
+
+
+def incomplete_verdict(missing: MissingFacts) -> Verdict:
+    """The honest unknown for a request whose facts never completed (names only)."""
+    return Verdict(label=Label.UNKNOWN_HISTORY, owner=LABEL_OWNER[Label.UNKNOWN_HISTORY],
+                   reason=f"request facts incomplete: no {', '.join(missing.missing)} on its spans")
 
 
 def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_block_size: int,
@@ -102,7 +224,7 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         prompt_tokens=m.prompt_tokens,  # type: ignore[arg-type]
         cached_tokens=m.cached_tokens,  # type: ignore[arg-type]
         block_size=block_size,
-        worker=m.worker,
+        worker=m.worker or m.resource_worker,
         dp_rank=m.dp_rank,
         lookup_time=lookup_time,
         block_hashes=chain,

@@ -18,13 +18,19 @@ Continuity: a claim stands only if the batches from its starting point (the stor
 a known-empty point for "never stored") through the lookup step are one run. Quarantined
 streams (a run after an unfilled hole with no clear since) and unverified epochs prove
 nothing.
+
+Idle workers: an engine publishes only when a step produced events, so a worker idle since
+before t has no batch stamped after t. A tail confirmation (the publisher had nothing after
+the last applied batch when it answered a probe sent at least ``index.tail_margin_s`` after
+t) proves its history reaches t; the lookup step is then the virtual step after the last
+applied batch (`EpochView.lookup_step`): everything applied came before t.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, NamedTuple
 
-from kvmiss.enricher.index import GPU, EpochView, Interval, ResidencyIndex, Run
+from kvmiss.enricher.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
 from kvmiss.schemas.attribution import (
     Evidence,
     History,
@@ -46,7 +52,8 @@ def first_miss_hash(facts: RequestFacts) -> int | None:
     return chain[i] if 0 <= i < len(chain) else None
 
 
-def _choose_view(views: list[EpochView], instance_hint: str | None, t: float) -> EpochView | None:
+def _choose_view(views: list[EpochView], instance_hint: str | None, t: float,
+                 margin: float = TAIL_MARGIN_S) -> EpochView | None:
     """The epoch view that served a lookup at t, or None when that cannot be established."""
     if instance_hint is not None:
         matching = [v for v in views if v.instance == instance_hint]
@@ -60,8 +67,7 @@ def _choose_view(views: list[EpochView], instance_hint: str | None, t: float) ->
                 return view
             # An older lifetime serves t only if its history reaches past t; between two
             # lifetimes, which one served the lookup is not established.
-            through = view.applied_through_ts
-            return view if through is not None and t <= through else None
+            return view if view.reaches(t, margin) else None
     # t precedes every batch seen. With no earlier lifetime seen, it belongs to this one
     # only if this epoch's history starts at its seq 0.
     only = views[0]
@@ -105,7 +111,8 @@ def _held_on(view: EpochView, key: int, medium: str, step_seq: int, run: Run) ->
     return _Held(node)
 
 
-def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | None = None) -> tuple[str | None, _Held]:
+def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | None = None,
+                 margin: float = TAIL_MARGIN_S) -> tuple[str | None, _Held]:
     """Whether any of ``media`` (default: every medium) of this worker epoch held ``key``
     at t: (medium, held) for a proof of holding, (None, not-held) for a proof of absence,
     (None, unresolved) otherwise."""
@@ -113,41 +120,42 @@ def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | Non
         return None, _Held(unresolved=History.EPOCH_UNKNOWN)
     if view.horizon_ts is not None and t < view.horizon_ts:
         return None, _Held(unresolved=History.AGED_OUT)
-    step = view.step_at(t)
-    if step is None:
+    step_seq = view.lookup_step(t, margin)
+    if step_seq is None:
         return None, _Held(unresolved=History.LAGGING)  # a store may be on its way
-    run = view.run_containing(step[0])
-    if run is None or _quarantined(view, run, step[0]):
+    run = view.run_at_step(step_seq)
+    if run is None or _quarantined(view, run, step_seq):
         return None, _Held(unresolved=History.QUARANTINED)
     unresolved = None
     for medium in (view.media if media is None else media):
         if key not in view.media.get(medium, ()):
             continue
-        held = _held_on(view, key, medium, step[0], run)
+        held = _held_on(view, key, medium, step_seq, run)
         if held.node is not None:
             return medium, held
         unresolved = unresolved or held.unresolved
     if unresolved is not None:
         return None, _Held(unresolved=unresolved)
-    # No record either way: absence needs history from a known-empty point.
-    if key in view.pruned:
-        return None, _Held(unresolved=History.AGED_OUT)
-    known_empty = run.start is RunStart.EPOCH_START or view.last_clear_between(run.start_seq, step[0] + 1)
+    # No record either way: absence needs history from a known-empty point. A record that
+    # retention dropped (`view.pruned`) closed before the horizon, and t is not before it
+    # (checked above): it cannot have held the block at t, so it is not needed here.
+    known_empty = run.start is RunStart.EPOCH_START or view.last_clear_between(run.start_seq, step_seq + 1)
     return None, (_NOT_HELD if known_empty else _Held(unresolved=History.GAP))
 
 
-def _clean_without(view: EpochView, key: int, t: float) -> bool:
+def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MARGIN_S) -> bool:
     """Fast proof of absence: no record of ``key`` at all, and the current run is continuous
-    from a known-empty point before t through a batch after t."""
-    since, through = view.known_empty_since, view.applied_through_ts
-    if since is None or through is None or not since <= t <= through or not view.epoch_certain:
+    from a known-empty point before t through a batch after t (or a confirmed idle tail)."""
+    since = view.known_empty_since
+    if since is None or not since <= t or not view.epoch_certain or not view.reaches(t, margin):
         return False
     if t < view.runs[-1].start_ts:
         return False
     for table in view.media.values():
         if key in table:
             return False
-    return key not in view.pruned
+    # A dropped record closed before the horizon: it cannot have held the block at t >= it.
+    return view.horizon_ts is None or t >= view.horizon_ts or key not in view.pruned
 
 
 def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[tuple[Holder, ...], tuple[History, ...]]:
@@ -155,19 +163,20 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[tupl
     cannot be ruled out. Both decide whether a label below routing_miss is provable."""
     holders: list[Holder] = []
     unresolved: list[History] = []
+    margin = index.tail_margin_s
     for worker in index.tracked:
         if worker == chosen:
             continue
         views = index.views(worker)
-        view = _choose_view(views, None, t) if views else None
+        view = _choose_view(views, None, t, margin) if views else None
         if view is None:
             unresolved.append(History.EPOCH_UNKNOWN if views else History.LAGGING)
             continue
         if view.first_ts is not None and t < view.first_ts:
             continue  # a fresh epoch before its first batch: its cache was still empty
-        if _clean_without(view, key, t):
+        if _clean_without(view, key, t, margin):
             continue  # the common case, in O(1): provably never had it
-        medium, held = _worker_held(view, key, t)
+        medium, held = _worker_held(view, key, t, margin=margin)
         if held.node is not None:
             holders.append(Holder(worker, medium, held.node.stored_ts))  # type: ignore[arg-type]
         elif held.unresolved is not None:
@@ -195,25 +204,25 @@ def gather(
         return Evidence(history=History.LAGGING)  # tracked, but nothing applied yet
     if t is None:
         return Evidence(history=History.LAGGING, epoch=views[0].epoch)
-    view = _choose_view(views, facts.instance_hint, t)
+    margin = index.tail_margin_s
+    view = _choose_view(views, facts.instance_hint, t, margin)
     if view is None or not view.epoch_certain:
         return Evidence(history=History.EPOCH_UNKNOWN)
     base = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts)
     if view.horizon_ts is not None and t < view.horizon_ts:
         return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)
-    step = view.step_at(t)
-    if step is None:
+    step_seq = view.lookup_step(t, margin)
+    if step_seq is None:
         return Evidence(history=History.LAGGING, **base)
-    step_seq = step[0]
     base["lookup_step_seq"] = step_seq
-    run = view.run_containing(step_seq)
+    run = view.run_at_step(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
     holders, unresolved = _fleet(index, worker, key, t) if key is not None else ((), ())
     tiers: list[TierHolding] = []
     for medium in view.media:
         if medium != GPU and key is not None:
-            _, held = _worker_held(view, key, t, (medium,))
+            _, held = _worker_held(view, key, t, (medium,), margin)
             if held.node is not None:
                 tiers.append(TierHolding(medium, held.node.stored_ts))
             elif held.unresolved is not None:

@@ -421,6 +421,8 @@ class BlockHasher:
     def _cbor_token_items(self, tokens: list[int], count: int) -> list[bytes]:
         """The CBOR items (no array header) of the first ``count`` blocks' token ids."""
         size = self.block_size
+        if count == 0:  # else `[iter(tokens)] * size` costs memory in the block size (2**31: OOM)
+            return []
         # (sentinel, t0 .. t[size-1]) per block, flattened; zip over one iterator cuts blocks.
         flat = list(chain.from_iterable(zip(repeat(_SENTINEL, count), *[iter(tokens)] * size)))
         parts = cbor2.dumps(flat).split(_SENTINEL_CBOR)[1:]  # [0] is the outer array header

@@ -11,6 +11,9 @@ never carried across). Inside a view:
 
   * ``log_seq`` / ``log_ts``: every applied batch (seq, engine ts), for "which engine step
     contains the lookup" and "has history reached t" (bisect, O(log n)).
+  * ``tail``: the latest tail confirmation (collectors `TailConfirmed`): the publisher had
+    published nothing after the last applied batch at a kvmiss-clock time. An idle worker
+    sends nothing, so this is how its history reaches a lookup after its last batch.
   * ``runs``: stretches of continuous history (see `schemas.stream.RunStart`).
   * ``clears``: observed AllBlocksCleared (seq, ts): known-empty points.
   * ``media``: medium -> {block key -> record}, the *latest* residency interval of each
@@ -37,6 +40,10 @@ from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 GPU = "GPU"
+
+# How long after a lookup a tail confirmation must have been sent to prove history reached
+# it (schemas/config.py: history.clock_skew_s + history.publish_delay_s).
+TAIL_MARGIN_S = 1.25
 
 # Wire spellings of each medium (vLLM, its connectors, SGLang) -> one canonical tier name.
 _MEDIUM_ALIASES = {
@@ -200,6 +207,9 @@ class EpochView:
         # epoch start or a clear), None while it is not: lets the fleet view rule a worker
         # out in O(1) when it has no record of a block.
         self.known_empty_since: float | None = None
+        self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
+        self.last_ts: float | None = None
+        self.tail: tuple[int, float] | None = None  # (seq, kvmiss time) of the latest confirmation
 
     # --- applying -------------------------------------------------------------------
     # The hot path: every event of every worker passes here. Kept flat on purpose.
@@ -215,6 +225,7 @@ class EpochView:
         self.epoch_certain = batch.epoch_certain
         if self.first_ts is None:
             self.first_ts = ts
+        self.last_seq, self.last_ts = seq, ts
         self.log_seq.append(seq)
         self.log_ts.append(ts)
         tables = self._tables
@@ -318,15 +329,63 @@ class EpochView:
             self.horizon_ts = before_ts if self.horizon_ts is None else max(self.horizon_ts, before_ts)
         return dropped
 
+    def confirm_tail(self, seq: int, at: float) -> None:
+        """The publisher had published nothing after batch ``seq`` when it answered a probe
+        sent at ``at`` (kvmiss clock). Counts only while ``seq`` is the last applied batch:
+        a confirmation of a seq the index never applied (written off) proves nothing."""
+        if seq == self.last_seq and (self.tail is None or self.tail[0] != seq or at > self.tail[1]):
+            self.tail = (seq, at)
+
     # --- queries ----------------------------------------------------------------------
 
     def step_at(self, t: float) -> tuple[int, float] | None:
         """(seq, ts) of the first applied batch stamped at or after ``t``: the engine step
-        that contains a lookup made at ``t``. None when history has not reached ``t``."""
+        that contains a lookup made at ``t``. None when no applied batch is stamped at or
+        after ``t`` (see `lookup_step` for an idle worker)."""
         i = bisect.bisect_left(self.log_ts, t)
         if i == len(self.log_ts):
             return None
         return self.log_seq[i], self.log_ts[i]
+
+    def reached_through(self, margin: float) -> float | None:
+        """Engine time through which history is proven: the last applied batch's ``ts``, or
+        a confirmation of that batch as the tail, sent at ``at``, as ``at - margin``.
+
+        ``margin`` bounds how far the confirmation's kvmiss-clock time may run ahead of the
+        engine clock, plus how long a lookup's step may take to reach the publisher's ring
+        (a step publishes its batch after it ran): a probe answered before that tells nothing
+        about the lookup."""
+        through, tail = self.last_ts, self.tail
+        if tail is not None and tail[0] == self.last_seq:
+            confirmed = tail[1] - margin
+            if through is None or confirmed > through:
+                return confirmed
+        return through
+
+    def reaches(self, t: float, margin: float) -> bool:
+        """Whether history reaches ``t``: an applied batch stamped at or after ``t``, or a
+        tail confirmation of the last applied batch sent at least ``margin`` after ``t``."""
+        through = self.reached_through(margin)
+        return through is not None and through >= t
+
+    def lookup_step(self, t: float, margin: float) -> int | None:
+        """The seq of the engine step containing a lookup at ``t``: the first applied batch
+        stamped at or after ``t``; when the worker was idle past ``t`` (a tail confirmation
+        reaches it), the virtual step after the last applied batch -- every store and removal
+        applied so far came before ``t``. None when history has not reached ``t``."""
+        step = self.step_at(t)
+        if step is not None:
+            return step[0]
+        last = self.last_seq
+        if last is not None and self.last_ts is not None and self.last_ts < t and self.reaches(t, margin):
+            return last + 1
+        return None
+
+    def run_at_step(self, step_seq: int) -> Run | None:
+        """The run of a lookup step (the last run for the virtual step after the last batch)."""
+        if self.last_seq is not None and step_seq == self.last_seq + 1 and self.runs:
+            return self.runs[-1]
+        return self.run_containing(step_seq)
 
     def run_containing(self, seq: int) -> Run | None:
         for run in reversed(self.runs):
@@ -359,7 +418,9 @@ class EpochView:
 
     @property
     def applied_through_ts(self) -> float | None:
-        return self.log_ts[-1] if self.log_ts else None
+        """Engine time of the last applied batch (what was applied, not what a tail
+        confirmation proves: see `reached_through`)."""
+        return self.last_ts
 
 
 class ResidencyIndex:
@@ -367,8 +428,10 @@ class ResidencyIndex:
     time; `prune(now_engine_ts)` applies it (call it periodically, not per batch)."""
 
     def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0,
-                 keep_previous_epochs: int = 1, divergence_detail: bool = False):
+                 keep_previous_epochs: int = 1, divergence_detail: bool = False,
+                 tail_margin_s: float = TAIL_MARGIN_S):
         self.retention_s = retention_s
+        self.tail_margin_s = tail_margin_s  # see `EpochView.reached_through`
         self.divergence_detail = divergence_detail
         self.keep_previous_epochs = keep_previous_epochs
         self.current: dict[str, EpochView] = {}
@@ -386,6 +449,16 @@ class ResidencyIndex:
                 batch.worker, batch.epoch, batch.instance, divergence_detail=self.divergence_detail)
             self.tracked.add(batch.worker)
         view.apply(batch)
+
+    def confirm_tail(self, worker: str, epoch: int, seq: int, at: float) -> None:
+        """A collector `TailConfirmed` for ``worker``; ignored unless it is about the
+        worker's current epoch and its last applied batch."""
+        view = self.current.get(worker)
+        if view is not None and view.epoch == epoch:
+            view.confirm_tail(seq, at)
+
+    def reaches(self, view: EpochView, t: float) -> bool:
+        return view.reaches(t, self.tail_margin_s)
 
     def prune(self, now_ts: float) -> int:
         horizon = now_ts - self.retention_s

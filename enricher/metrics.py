@@ -121,6 +121,10 @@ class KvmissCollector(Collector):
             "contiguous": GaugeMetricFamily("kvmiss_stream_last_contiguous_seq", "Last sequence applied with continuity.", labels=w),
             "oldest": GaugeMetricFamily("kvmiss_stream_oldest_replayable_seq", "First sequence of the latest replay reply.", labels=w),
             "peak": GaugeMetricFamily("kvmiss_stream_peak_batches_per_second", "Most batches in one second of engine time.", labels=w),
+            "tail_probes": CounterMetricFamily("kvmiss_stream_tail_probes", "Tail probes sent to a quiet worker's replay endpoint, retries included.", labels=w),
+            "tail_confirmations": CounterMetricFamily("kvmiss_stream_tail_confirmations", "Tail probes that proved a worker idle since its last batch.", labels=w),
+            "tail_recoveries": CounterMetricFamily("kvmiss_stream_tail_recoveries", "Tail probes that found batches lost live and applied them.", labels=w),
+            "tail_unanswered": CounterMetricFamily("kvmiss_stream_tail_probes_unanswered", "Tail probes given up without an answer.", labels=w),
         }
         for worker, stream in sorted(self.streams().items()):
             h = stream.health
@@ -139,6 +143,10 @@ class KvmissCollector(Collector):
             if h.oldest_replayable_seq is not None:
                 fams["oldest"].add_metric([worker], h.oldest_replayable_seq)
             fams["peak"].add_metric([worker], h.peak_batches_per_s)
+            fams["tail_probes"].add_metric([worker], h.tail_probes)
+            fams["tail_confirmations"].add_metric([worker], h.tail_confirmations)
+            fams["tail_recoveries"].add_metric([worker], h.tail_recoveries)
+            fams["tail_unanswered"].add_metric([worker], h.tail_probes_unanswered)
         yield from fams.values()
 
     def _spans(self) -> Iterator[Metric]:

@@ -1,14 +1,17 @@
 """The enrichment pipeline: OTLP requests in, verdicts joined onto spans, OTLP requests out.
 
     receiver -> Pipeline.consume(request) -> [assemble by trace/request, bounded wait]
-             -> [wait, bounded, until the chosen worker's history passes the lookup time]
+             -> [wait, bounded, until the fleet's history passes the lookup time]
              -> Attributor -> verdict attributes upserted on the outcome span
              -> the whole export request, raw inputs stripped -> exporter
 
 Every received span is exported exactly once, enriched or not: an export request is held
 until every request whose outcome span it carries has been judged (or given up on, with
 the honest unknown), then forwarded whole. Requests are judged in `poll(now)`, which the
-service calls periodically on the event loop thread (the index's only thread).
+service calls periodically on the event loop thread (the index's only thread), and with
+``judge_on_arrival`` also in `consume`, as soon as the spans that complete them arrive (the
+traces a request touched are assessed as `poll` would; a request still waiting for spans or
+history is left to `poll`), so a request does not sit out a poll interval.
 
 Backpressure: when held + queued spans would exceed ``max_pending_spans``, `consume`
 answers RETRYABLE with a retry delay instead of buffering without bound.
@@ -18,16 +21,18 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher.assembly import Assembly, Fragment, MissingFacts, to_request_facts
+from kvmiss.enricher.assembly import (Assembly, Fragment, JudgedRequests, MissingFacts, incomplete_verdict,
+                                     join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import SpanReader, strip_raw_inputs, upsert_attributes, verdict_attributes
+from kvmiss.enricher.spans import (SpanReader, raw_input_names, strip_raw_inputs, upsert_attributes,
+                                  verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
-from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
+from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.pipeline")
 
@@ -40,12 +45,13 @@ class ExportSink(Protocol):
 class PendingBatch:
     """One received export request, held until its outcome spans are judged."""
 
-    __slots__ = ("request", "spans", "waiting")
+    __slots__ = ("request", "spans", "waiting", "carriers")
 
     def __init__(self, request: ExportTraceServiceRequest, spans: int):
         self.request = request
         self.spans = spans
         self.waiting = 0
+        self.carriers: list[Any] = []  # spans with input attributes: the only ones raw inputs can be on
 
 
 class PipelineStats:
@@ -79,6 +85,7 @@ class Pipeline:
         keep_block_hashes: bool = False,
         on_verdict: Callable[[RequestFacts, Verdict, bytes], None] | None = None,
         clock: Callable[[], float],
+        judge_on_arrival: bool = False,
     ):
         self.attributor = attributor
         self.sink = sink
@@ -89,42 +96,68 @@ class Pipeline:
         self.history_wait_s = history_wait_s
         self.max_pending_spans = max_pending_spans
         self.keep_block_hashes = keep_block_hashes
+        self._raw_outside_inputs = not all(
+            self.reader.is_input(name) for name in raw_input_names(keep_block_hashes=keep_block_hashes))
         self.on_verdict = on_verdict
         self.clock = clock
+        self.judge_on_arrival = judge_on_arrival
         self.stats = PipelineStats()
         self.pending_spans = 0
         self._traces: dict[bytes, dict[str | None, Assembly]] = {}
         self._open: collections.deque[Assembly] = collections.deque()  # in arrival order
         self._ready: list[tuple[Assembly, RequestFacts, float]] = []  # waiting for history
+        self._reach: list[tuple[float, str]] | None = None  # per poll: see `_fleet_reach`
+        self._judged = JudgedRequests()  # so a late partner span is not judged twice
 
     # --- intake ------------------------------------------------------------------------------
 
     async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
         spans = span_count(request)
-        if self.pending_spans + spans > self.max_pending_spans or not self.sink.has_capacity(spans):
+        # Every span held here goes to the sink later: reserve room for all of them, or a
+        # held batch released into a full export queue would be dropped after its 200.
+        if (self.pending_spans + spans > self.max_pending_spans
+                or not self.sink.has_capacity(self.pending_spans + spans)):
             self.stats.spans_refused += spans
             return ConsumeResult(Outcome.RETRYABLE, message="kvmiss pending buffer is full",
                                  retry_after_s=1.0)
         self.stats.spans_in += spans
         batch = PendingBatch(request, spans)
         now = self.clock()
+        touched: dict[bytes, None] = {}  # trace ids this request fed, in arrival order
         for resource_spans in request.resource_spans:
             instance = self.reader.instance_of(resource_spans.resource.attributes)
+            worker = self.reader.worker_of(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    self._take(span, batch, instance, now)
+                    if self._take(span, batch, instance, now, worker):
+                        touched[span.trace_id] = None
         self.pending_spans += spans
         if batch.waiting == 0:
             self._release(batch)
+        elif self.judge_on_arrival:
+            self._assess_traces(touched, now)
         return ACCEPTED
 
-    def _take(self, span: Any, batch: PendingBatch, instance: str | None, now: float) -> None:
+    def _assess_traces(self, trace_ids: Iterable[bytes], now: float) -> None:
+        """What `poll` would do now for these traces alone: only they changed. Their open
+        assemblies are taken in arrival order, so earlier fragments join first, as in `poll`."""
+        self._reach = None
+        for trace_id in trace_ids:
+            for assembly in list(self._traces.get(trace_id, {}).values()):
+                if not assembly.done:
+                    self._assess(assembly, now, final=False)
+
+    def _take(self, span: Any, batch: PendingBatch, instance: str | None, now: float,
+              worker: str | None = None) -> bool:
+        """Hold ``span`` as a fragment of its request; False when it carries no facts."""
         bad: list[str] = []
-        facts = self.reader.read(span, bad)
+        facts = self.reader.read(span, bad, resource_worker=worker)
         for name in bad:
             self.stats.bad_attributes[name] += 1
+        if facts is not None or bad:
+            batch.carriers.append(span)
         if facts is None:
-            return
+            return False
         trace = self._traces.setdefault(span.trace_id, {})
         assembly = trace.get(facts.request_id)
         if assembly is None or assembly.done:
@@ -132,6 +165,7 @@ class Pipeline:
             self._open.append(assembly)
         assembly.fragments.append(Fragment(facts, span, batch, instance))
         batch.waiting += 1
+        return True
 
     # --- judging -----------------------------------------------------------------------------
 
@@ -140,6 +174,7 @@ class Pipeline:
         (shutdown) and judge everything with the evidence there is."""
         now = self.clock() if now is None else now
         judged = 0
+        self._reach = None  # the index may have moved on since the last poll
         still_open: collections.deque[Assembly] = collections.deque()
         while self._open:
             assembly = self._open.popleft()
@@ -164,10 +199,16 @@ class Pipeline:
     def _assess(self, assembly: Assembly, now: float, final: bool) -> int | None:
         """Move an assembly on: None while it waits for more spans, else requests judged."""
         trace = self._traces.get(assembly.trace_id, {})
-        named = [a for key, a in trace.items() if key is not None and not a.done]
-        if assembly.request_id is None and len(named) == 1 and named[0] is not assembly:
-            named[0].fragments.extend(assembly.fragments)  # the trace's only request
+        target = join_target(assembly, trace)
+        if target is not None:  # the trace's only request, or an engine lookup's request
+            target.fragments.extend(assembly.fragments)
             assembly.done = True
+            if trace.get(assembly.request_id) is assembly:
+                del trace[assembly.request_id]
+            return 0
+        if self._judged.judged_partner(assembly):  # its request was judged without it
+            self.stats.unenriched["request_already_judged"] += 1
+            self._finish(assembly)
             return 0
         errors: list[str] = []
         facts = to_request_facts(assembly, hasher=self.hasher,
@@ -180,6 +221,8 @@ class Pipeline:
                 return None
             self._give_up(assembly, facts)
             return 0
+        if not expired and assembly.awaits_request_span():
+            return None  # an engine lookup waits (bounded) for its request's span
         if facts.worker is not None and facts.lookup_time is not None and not self._history_reached(facts):
             if not final:
                 self._ready.append((assembly, facts, now))
@@ -189,9 +232,39 @@ class Pipeline:
         return 1
 
     def _history_reached(self, facts: RequestFacts) -> bool:
-        views = self.attributor.index.views(facts.worker) if facts.worker else []
-        through = views[0].applied_through_ts if views else None
-        return through is not None and facts.lookup_time is not None and through >= facts.lookup_time
+        """Whether waiting longer could not change the evidence: the chosen worker's history
+        reaches the lookup time (a batch stamped at or after it, or a confirmed idle tail), and
+        so does every other tracked worker that still may -- one behind t could have held the
+        first-miss block, which leaves every label below routing_miss unprovable. A request
+        that missed nothing reusable needs no fleet view. A worker that has proven nothing for
+        more than the wait before t (down, or far behind) is not waited for: the wait would
+        not help."""
+        index, t = self.attributor.index, facts.lookup_time
+        views = index.views(facts.worker) if facts.worker else []
+        if not views or t is None or not index.reaches(views[0], t):
+            return False
+        size = facts.block_size
+        if size <= 0 or facts.cached_tokens >= (facts.prompt_tokens - 1) // size * size:
+            return True  # hit or lookup_limit: no first-miss block to look for elsewhere
+        for through, worker in self._fleet_reach():  # least advanced first
+            if worker == facts.worker:
+                continue
+            if through >= t:
+                return True
+            if through >= t - self.history_wait_s:
+                return False
+        return True
+
+    def _fleet_reach(self) -> list[tuple[float, str]]:
+        """(engine time history is proven through, worker) of every tracked worker's current
+        lifetime whose epoch is established, least advanced first; once per poll."""
+        if self._reach is None:
+            index = self.attributor.index
+            margin = index.tail_margin_s
+            self._reach = sorted(
+                (through, worker) for worker, view in index.current.items()
+                if view.epoch_certain and (through := view.reached_through(margin)) is not None)
+        return self._reach
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
         verdict = self.attributor.attribute(facts)
@@ -201,6 +274,7 @@ class Pipeline:
         self.stats.verdicts[key] += 1
         self.stats.missed_tokens[key] += verdict.missed_tokens
         self.stats.history_wait_s.append(waited)
+        self._judged.add(assembly)
         if self.on_verdict is not None:
             self.on_verdict(facts, verdict, assembly.trace_id)
         self._finish(assembly)
@@ -208,9 +282,7 @@ class Pipeline:
     def _give_up(self, assembly: Assembly, missing: MissingFacts) -> None:
         """Facts never completed: the outcome span still goes out, labelled with the honest
         unknown and what was missing."""
-        verdict = Verdict(label=Label.UNKNOWN_HISTORY, owner=LABEL_OWNER[Label.UNKNOWN_HISTORY],
-                          reason=f"request facts incomplete: no {', '.join(missing.missing)} on its spans")
-        upsert_attributes(assembly.outcome_fragment().span, verdict_attributes(verdict))
+        upsert_attributes(assembly.outcome_fragment().span, verdict_attributes(incomplete_verdict(missing)))
         self.stats.unenriched["facts_incomplete"] += 1
         self._finish(assembly)
 
@@ -227,10 +299,13 @@ class Pipeline:
                 self._release(fragment.batch)
 
     def _release(self, batch: PendingBatch) -> None:
-        for resource_spans in batch.request.resource_spans:
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    strip_raw_inputs(span, keep_block_hashes=self.keep_block_hashes)
+        if self._raw_outside_inputs:  # a raw input name is not read: look at every span
+            spans: Iterable[Any] = (span for resource_spans in batch.request.resource_spans
+                                    for scope_spans in resource_spans.scope_spans for span in scope_spans.spans)
+        else:  # every raw input name is an input: only spans with input attributes can carry one
+            spans = batch.carriers
+        for span in spans:
+            strip_raw_inputs(span, keep_block_hashes=self.keep_block_hashes)
         self.pending_spans -= batch.spans
         if self.sink.put(batch.request):
             self.stats.spans_out += batch.spans

@@ -79,10 +79,14 @@ def drop_invalid_spans(request: ExportTraceServiceRequest) -> int:
 def parse_otlp_json(body: bytes) -> ExportTraceServiceRequest:
     """Decode an OTLP/JSON body: like protobuf JSON, but ids are hex and enums may be ints.
 
-    Unknown fields are ignored (newer senders). Raises ValueError on anything malformed.
+    Unknown fields are ignored (newer senders). Raises ValueError on anything malformed,
+    including nesting past the interpreter's recursion limit (both parsers recurse).
     About 300-550 us/span: meant for debugging volumes, not production traffic.
     """
-    document = json.loads(body)
+    try:
+        document = json.loads(body)
+    except RecursionError:
+        raise ValueError("OTLP/JSON body is nested too deeply") from None
     if not isinstance(document, dict):
         raise ValueError("OTLP/JSON body must be an object")
     for resource_spans in _items(document, "resourceSpans", "resource_spans"):
@@ -96,6 +100,10 @@ def parse_otlp_json(body: bytes) -> ExportTraceServiceRequest:
         json_format.ParseDict(document, request, ignore_unknown_fields=True)
     except json_format.ParseError as exc:
         raise ValueError(str(exc)) from None
+    except RecursionError:
+        raise ValueError("OTLP/JSON body is nested too deeply") from None
+    except OverflowError as exc:  # json_format converts floats for int fields unguarded
+        raise ValueError(f"OTLP/JSON number out of range: {exc}") from None
     return request
 
 

@@ -2,9 +2,10 @@
 metrics in one process.
 
 Threads: the ZeroMQ collector runs on its own thread (collectors/subscriber.py) and hands
-applied batches over through a lock-free deque; everything else -- the index, the
-pipeline, the receivers, the export queues, the metrics endpoint -- lives on one asyncio
-event loop, so the index has exactly one owner and needs no lock.
+applied batches and tail confirmations over, in order, through a lock-free deque;
+everything else -- the index, the pipeline, the receivers, the export queues, the metrics
+endpoint -- lives on one asyncio event loop, so the index has exactly one owner and needs
+no lock.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import exposition as prom_text
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from kvmiss.collectors.continuity import Apply, StreamAction
+from kvmiss.collectors.continuity import Apply, StreamAction, StreamConfig, TailConfirmed
 from kvmiss.collectors.fleet import Fleet
 from kvmiss.collectors.subscriber import Subscriber
 from kvmiss.enricher.attribution import Attributor
@@ -69,13 +70,17 @@ class Service:
     def __init__(self, config: Config, *, clock: Callable[[], float] = time.time):
         self.config = config
         self.clock = clock
+        history = config.history
         self.index = ResidencyIndex([w.id for w in config.workers],
-                                    retention_s=config.history.retention_s)
+                                    retention_s=history.retention_s,
+                                    tail_margin_s=history.clock_skew_s + history.publish_delay_s)
         self.digest_key = self._digest_key()
         self.attributor = Attributor(self.index, self.digest_key,
                                      aged_out_as_recent_match=config.history.aged_out_as_recent_match)
-        self._applied: collections.deque[Apply] = collections.deque()
-        self.fleet = Fleet(config.workers, self._on_stream_action)
+        # Filled on the collector thread, drained in order on the loop (the index's thread).
+        self._applied: collections.deque[Apply | tuple[str, TailConfirmed]] = collections.deque()
+        self.fleet = Fleet(config.workers, self._on_stream_action,
+                           config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None))
         self.subscriber = Subscriber(self.fleet, clock=clock)
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]
@@ -86,7 +91,7 @@ class Service:
             assemble_wait_s=config.history.assemble_wait_s, history_wait_s=config.history.wait_s,
             max_pending_spans=config.otlp.max_pending_spans,
             keep_block_hashes=config.export.keep_block_hashes,
-            on_verdict=self._on_verdict, clock=clock)
+            on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True)
         self.receivers = Receivers(config.otlp, self.pipeline)
         self.registry = CollectorRegistry()
         self.registry.register(KvmissCollector(
@@ -118,9 +123,12 @@ class Service:
             return None
 
     def _on_stream_action(self, worker: str, action: StreamAction) -> None:
-        """Collector thread: hand applied batches to the loop; log stream facts once each."""
+        """Collector thread: hand applied batches and tail confirmations to the loop (their
+        ``at`` is this service's clock, the subscriber's); log other stream facts once each."""
         if isinstance(action, Apply):
             self._applied.append(action)
+        elif isinstance(action, TailConfirmed):  # repeats while a worker idles: not logged
+            self._applied.append((worker, action))
         else:
             log.info("worker %s: %s", worker, _describe(action))
 
@@ -171,9 +179,14 @@ class Service:
             await asyncio.sleep(TICK_S)
 
     def _drain_applied(self) -> None:
-        applied = self._applied
+        applied, index = self._applied, self.index
         while applied:
-            self.index.apply(applied.popleft().batch)
+            item = applied.popleft()
+            if isinstance(item, Apply):
+                index.apply(item.batch)
+            else:
+                worker, tail = item
+                index.confirm_tail(worker, tail.epoch, tail.seq, tail.at)
 
     # --- health and metrics ---------------------------------------------------------------
 

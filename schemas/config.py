@@ -45,7 +45,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return offset_endpoint(self.replay_endpoint, self.dp_rank)
 
 
-_TCP_PORT = re.compile(r"^(?P<head>tcp://.*:)(?P<port>\d+)$")
+# At most 5 ASCII digits: a longer "port" is left as given (the socket refuses it at start-up)
+# instead of overflowing int() -- and \d would also take non-ASCII digits.
+_TCP_PORT = re.compile(r"^(?P<head>tcp://.*:)(?P<port>[0-9]{1,5})$")
 
 
 def offset_endpoint(endpoint: str, dp_rank: int) -> str:
@@ -107,6 +109,18 @@ class HistoryConfig(_Section):
     wait_s: float = 5.0  # how long a request waits for its worker's events to catch up
     assemble_wait_s: float = 10.0  # how long spans of one request are awaited
     aged_out_as_recent_match: bool = False
+    # Idle workers publish nothing. A worker's stream that has received nothing for this
+    # long asks its replay endpoint whether anything follows its last batch (a tail probe);
+    # "nothing" proves its history reaches the probe's time. 0 disables probing.
+    tail_probe_interval_s: float = 0.5
+    # Bound on how far kvmiss's clock (tail probes) and the engines' clocks (batch ts,
+    # lookup times) may differ, either way.
+    clock_skew_s: float = 0.25
+    # Bound on how long after a cache lookup its engine step's batch reaches the publisher's
+    # replay ring: the rest of the step (a long prefill chunk) plus the publisher's queue. A
+    # probe answered sooner says nothing about that step. A confirmation sent at `at` proves
+    # history through `at - clock_skew_s - publish_delay_s`.
+    publish_delay_s: float = 1.0
 
 
 class Config(_Section):
@@ -134,10 +148,14 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses into inline arrays and tables
+        raise ConfigError(f"{source}: not valid TOML: nested too deeply") from None
     try:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_path_text(str(exc))}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply") from None
     _check(config, source)
     return config
 
@@ -163,5 +181,9 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: engine.block_size must be positive")
     if config.history.retention_s <= 0 or config.history.wait_s < 0:
         raise ConfigError(f"{source}: history.retention_s must be > 0 and wait_s >= 0")
+    history = config.history
+    if history.tail_probe_interval_s < 0 or history.clock_skew_s < 0 or history.publish_delay_s < 0:
+        raise ConfigError(f"{source}: history.tail_probe_interval_s, clock_skew_s and "
+                          "publish_delay_s must be >= 0 (tail_probe_interval_s = 0 disables probes)")
     if config.privacy.digest_key and config.privacy.digest_key_env:
         raise ConfigError(f"{source}: privacy: set digest_key or digest_key_env, not both")

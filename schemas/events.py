@@ -192,16 +192,22 @@ def decode_batch(payload: bytes) -> EventBatch:
     Raises `WireError` naming the failing field (``event 2: Expected `int`, got `str` -
     at `$.block_size```) when the payload is not a valid batch.
     """
+    # RecursionError: msgpack nested deeper than the interpreter's recursion limit (hostile
+    # or corrupt input; no engine nests more than a few levels) cannot even be skipped.
     try:
         return _batch_decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         pass  # another wire form, or genuinely bad: find out which below
+    except RecursionError:
+        raise WireError("payload is nested too deeply") from None
     try:
         raw = _raw_batch_decoder.decode(payload)
     except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
         raise WireError(f"batch must be [ts, events, dp_rank]: {exc}") from None
     except msgspec.DecodeError as exc:
         raise WireError(f"payload is not msgpack: {exc}") from None
+    except RecursionError:
+        raise WireError("payload is nested too deeply") from None
     events: list[KVEvent] = []
     for index, raw_event in enumerate(raw.events):
         decoder = _array_event_decoder if _is_msgpack_array(raw_event) else _map_event_decoder
@@ -209,16 +215,30 @@ def decode_batch(payload: bytes) -> EventBatch:
             events.append(_normalised(decoder.decode(raw_event)))
         except (msgspec.ValidationError, msgspec.DecodeError, WireError) as exc:
             raise WireError(f"event {index}: {exc}") from None
+        except RecursionError:
+            raise WireError(f"event {index}: nested too deeply") from None
     return EventBatch(ts=raw.ts, events=events, dp_rank=raw.dp_rank)
 
 
 def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str, Any]:
     """A JSON-ready dict of one normalised event.
 
-    Token ids and cache salts are prompt material: by default only their presence and size
-    are shown (``num_tokens``, ``has_cache_salt``); ``include_raw=True`` adds the values.
+    Token ids (lookahead ones too), cache salts and extra keys are prompt material: by
+    default only their presence and size are shown (``num_tokens``, ``num_lookahead_tokens``,
+    ``has_cache_salt``, ``has_extra_keys``); ``include_raw=True`` adds the values.
+    Raw extra keys that JSON cannot show (map keys that are nil, bools or arrays) are
+    replaced by ``extra_keys_unprintable: true``; msgpack ext values show as code and hex.
     """
-    out: dict[str, Any] = msgspec.to_builtins(event, enc_hook=_enc_hook)
+    shown = event
+    if isinstance(event, BlockStored) and event.extra_keys is not None and not include_raw:
+        shown = msgspec.structs.replace(event, extra_keys=None)  # hidden: never rendered
+    try:
+        out: dict[str, Any] = msgspec.to_builtins(shown, enc_hook=_enc_hook, str_keys=True)
+    except (TypeError, RecursionError):
+        # Raw extra keys (untyped msgpack) that JSON cannot show: maps keyed by nil, a bool
+        # or an array, or nesting at the recursion limit. Flagged instead of shown.
+        out = msgspec.to_builtins(msgspec.structs.replace(event, extra_keys=None), enc_hook=_enc_hook)
+        out["extra_keys_unprintable"] = True
     if isinstance(event, BlockStored):
         tokens = event.tokens()
         out["num_tokens"] = len(tokens)
@@ -230,6 +250,9 @@ def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str,
         if event.extra_keys is not None and not include_raw:
             out["extra_keys"] = None
             out["has_extra_keys"] = True
+        if event.lookahead_token_ids is not None and not include_raw:  # token ids too
+            out["lookahead_token_ids"] = None
+            out["num_lookahead_tokens"] = len(event.lookahead_token_ids)
         out = {k: v for k, v in out.items() if v is not None}
     if "block_digests" in out:
         out["block_digests"] = [d.hex() for d in event.block_digests]  # type: ignore[union-attr]
@@ -239,4 +262,6 @@ def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str,
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, msgspec.Raw):
         return None  # token_ids are rendered by event_to_builtins itself
+    if isinstance(obj, msgspec.msgpack.Ext):  # inside raw extra keys: no JSON form of its own
+        return {"ext_type": obj.code, "data_hex": obj.data.hex()}
     raise NotImplementedError(type(obj))

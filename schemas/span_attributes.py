@@ -26,6 +26,9 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     predicted_cached_tokens: list[str] = msgspec.field(
         default_factory=lambda: ["kvmiss.route.predicted_cached_tokens"])
     instance: list[str] = msgspec.field(default_factory=lambda: ["service.instance.id"])
+    # Read from the span's *resource* when no span attribute names the worker (the kvmiss
+    # vLLM plugin's spans: OTEL_RESOURCE_ATTRIBUTES=kvmiss.worker=<id>).
+    resource_worker: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.worker"])
     block_hashes: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.block_hashes"])
     token_ids: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.token_ids"])
     extra_keys: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.extra_keys"])
@@ -44,6 +47,10 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     template_version: list[str] = msgspec.field(
         default_factory=lambda: ["kvmiss.template_version"])
 
+
+# The span the kvmiss vLLM plugin (enricher/vllm_plugin.py) emits for each prefix-cache
+# lookup. Its request id is the engine's (vLLM appends "-<8 chars>" to the API id).
+PREFIX_LOOKUP_SPAN = "kvmiss.prefix_lookup"
 
 # Raw prompt material: hashed or read, then removed from every exported span.
 RAW_INPUTS = ("kvmiss.token_ids", "kvmiss.extra_keys")

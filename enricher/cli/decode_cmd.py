@@ -43,6 +43,8 @@ def decode_line(line: bytes, *, include_raw: bool = False) -> dict[str, Any]:
         item = _line_decoder.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return {"kind": "error", "error": f"input line is not {{\"frames\": [...]}}: {exc}"}
+    except RecursionError:  # unknown fields are skipped, but not when nested past the limit
+        return {"kind": "error", "error": "input line is nested too deeply"}
     try:
         frames = [base64.b64decode(f, validate=True) for f in item.frames]
     except (binascii.Error, ValueError):

@@ -23,6 +23,7 @@ from kvmiss.schemas.config import load_config
 FACT_KEYS = {  # every key a stderr line may carry: seqs, epochs, reasons, never payloads
     "event", "worker", "epoch", "cause", "instance", "certain", "from_seq", "to_seq", "reason",
     "detail", "seq", "workers", "recording", "by", "elapsed_s",
+    "at",  # tail_confirmed: the probe's send time
 }
 
 

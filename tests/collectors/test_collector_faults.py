@@ -20,7 +20,7 @@ from zmq_ports import free_tcp
 
 from kvmiss.collectors.continuity import (
     Apply, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
-    Quarantine, Release, StreamConfig, Unverified,
+    Quarantine, Release, StreamConfig, TailConfirmed, Unverified,
 )
 from kvmiss.collectors.fleet import TICK, Fleet, play_recording
 from kvmiss.collectors.recording import RecordingWriter, read_recording
@@ -30,6 +30,9 @@ from kvmiss.schemas.events import AllBlocksCleared
 from kvmiss.schemas.stream import RunStart
 
 WAIT_S = 5.0  # deadline for any one condition; a healthy run meets each in milliseconds
+# The cases below assert every replay request and fact, so tail probes (timer-driven, sent
+# whenever a worker is quiet for a moment) are off unless a case is about them.
+NO_PROBES = StreamConfig(tail_probe_interval_s=None)
 
 
 def block_hash(generation: int, seq: int) -> int:
@@ -109,7 +112,7 @@ class Rig:
     "silent" (a bound ROUTER that never answers).
     """
 
-    def __init__(self, *, buffer_steps: int = 1_000, config: StreamConfig = StreamConfig(),
+    def __init__(self, *, buffer_steps: int = 1_000, config: StreamConfig = NO_PROBES,
                  replay: str = "proxy", via_proxy: bool = True,
                  recorder: RecordingWriter | None = None) -> None:
         self.pub_ep, self.replay_ep = free_tcp(), free_tcp()
@@ -437,7 +440,7 @@ def test_a_mid_stream_join_past_the_ring_is_a_joined_run_not_a_quarantine(rig):
 # --- 6. a replay endpoint that never answers -----------------------------------------------------
 
 QUICK = StreamConfig(replay_timeout_s=0.15, replay_retries=2, replay_backoff=1.0,
-                     replay_cooldown_s=30.0)
+                     replay_cooldown_s=30.0, tail_probe_interval_s=None)
 
 
 def test_a_replay_that_never_answers_is_retried_then_written_off_as_uncertain(rig):
@@ -547,4 +550,107 @@ def test_a_recording_of_a_faulty_run_plays_back_to_the_same_applied_batches(rig,
     assert count == recorder.records
     assert [(b.worker, b.epoch, b.seq) for b in played.applied()] == live
     assert [b.replayed for b in played.applied()] == [b.replayed for b in r.sink.applied()]
+    assert played.facts() == r.sink.facts()
+
+
+# --- 9. tail probes: an idle worker proven idle, a lost last batch found -------------------------
+
+PROBING = StreamConfig(tail_probe_interval_s=0.2)
+
+
+def tails(sink: Collected) -> list[TailConfirmed]:
+    return sink.of(TailConfirmed)
+
+
+def test_an_idle_worker_gets_its_tail_confirmed_and_the_index_then_reaches_past_its_last_batch(rig):
+    from kvmiss.enricher.index import ResidencyIndex
+
+    r = rig(config=PROBING)
+    r.start_collector()
+    r.publish(3)
+    r.sink.wait_applied(2)
+    last = r.sink.applied()[-1]
+    # The worker is idle now: nothing more is published, and silence alone proves nothing.
+    assert r.sink.wait_for(lambda c: len(tails(c)) >= 2), f"no tail confirmation: {r.sink.facts()}"
+    r.close()
+
+    first, second = tails(r.sink)[:2]
+    assert (first.epoch, first.seq) == (second.epoch, second.seq) == (0, 2)
+    assert last.recv_ts + PROBING.tail_probe_interval_s <= first.at < second.at
+    assert set(r.proxy.replay_requests) == {2}  # each probe re-reads the last applied batch
+    assert [type(f) for f in r.sink.facts()] == [TailConfirmed] * len(tails(r.sink))
+    h = r.stream.health
+    assert h.tail_confirmations == len(tails(r.sink)) and h.tail_probes >= h.tail_confirmations
+    assert (h.replays_requested, h.tail_recoveries, h.duplicates, h.batches_applied) == (0, 0, 0, 3)
+    assert not r.stream.quarantined
+
+    # What the service does with them: the index's history now reaches past the last batch,
+    # through the latest probe's send time (these test batches carry made-up engine times).
+    index = ResidencyIndex(["w0"], tail_margin_s=0.25)
+    for action in [a for _, a in r.sink.actions]:
+        if isinstance(action, Apply):
+            index.apply(action.batch)
+        else:
+            index.confirm_tail("w0", action.epoch, action.seq, action.at)
+    view = index.current["w0"]
+    latest = tails(r.sink)[-1].at
+    assert view.reached_through(0.25) == latest - 0.25
+    assert view.reaches(latest - 0.25, 0.25) and not index.reaches(view, latest)
+    assert view.lookup_step(latest - 0.25, 0.25) == 3  # the virtual step after batch 2
+
+
+def test_a_dropped_last_batch_is_found_by_a_tail_probe_and_applied_in_order(rig):
+    r = rig(config=PROBING)
+    r.start_collector()
+    r.publish(3)
+    r.sink.wait_applied(2)
+    r.proxy.drop(3)
+    r.publish(1)  # 3 is lost on the wire and nothing follows it to reveal the hole
+    r.sink.wait_applied(3)
+    assert r.sink.wait_for(lambda c: any(t.seq == 3 for t in tails(c))), r.sink.facts()
+    r.close()
+
+    applied = r.sink.applied()
+    assert [b.seq for b in applied] == [0, 1, 2, 3]
+    assert [b.seq for b in applied if b.replayed] == [3]
+    assert hashes(applied) == [[block_hash(0, s)] for s in range(4)]
+    assert {(b.run_start, b.run_start_seq, b.gap_from_seq) for b in applied} == {
+        (RunStart.EPOCH_START, 0, None)}  # continuous: nothing written off
+    assert r.proxy.dropped == [3] and r.proxy.replay_requests[0] == 2
+    assert not r.sink.of(Hole) and not r.stream.quarantined
+    h = r.stream.health
+    assert (h.tail_recoveries, h.batches_replayed, h.replays_requested, h.gaps_detected) == (1, 1, 0, 0)
+    assert {t.seq for t in tails(r.sink)} <= {2, 3}  # 2 only if a probe beat the publish
+
+
+def test_tail_probes_do_not_disturb_ordinary_recovery_and_a_recording_plays_back_the_same(rig, tmp_path):
+    path = tmp_path / "probing.kvrec"
+    recorder = RecordingWriter(path)
+    config = StreamConfig(tail_probe_interval_s=0.05)  # probing all the time
+    r = rig(config=config, recorder=recorder)
+    r.start_collector()
+    for _ in range(4):
+        r.publish(2)
+        r.sink.wait_applied(r.next_seq - 1)
+        stop = len(tails(r.sink)) + 1
+        assert r.sink.wait_for(lambda c: len(tails(c)) >= stop), r.sink.facts()  # idle: proven
+        r.proxy.drop(r.next_seq)
+        r.publish(2)  # a hole, revealed by the next batch (or found by a probe first)
+        r.sink.wait_applied(r.next_seq - 1)
+    r.close()
+    recorder.close()
+
+    applied = r.sink.applied()
+    assert [b.seq for b in applied] == list(range(16))
+    assert {(b.run_start, b.gap_from_seq) for b in applied} == {(RunStart.EPOCH_START, None)}
+    replayed = {b.seq for b in applied if b.replayed}
+    assert {2, 6, 10, 14} <= replayed <= {2, 3, 6, 7, 10, 11, 14, 15}  # each drop, recovered
+    assert all(isinstance(f, TailConfirmed) for f in r.sink.facts())
+    h = r.stream.health
+    assert h.gaps_detected + h.tail_recoveries >= 3 and h.lost_batches == {}
+    assert not r.stream.quarantined
+
+    played = Collected()
+    play_recording(str(path), Fleet([r.spec], played, config=config))
+    assert [(b.seq, b.replayed) for b in played.applied()] == [(b.seq, b.replayed) for b in applied]
     assert played.facts() == r.sink.facts()

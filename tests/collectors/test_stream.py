@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 
 from kvmiss.collectors.continuity import (
     Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
-    Quarantine, Release, RequestReplay, Run, StreamConfig, StreamState, Unverified,
+    Quarantine, Release, RequestReplay, Run, StreamConfig, StreamState, TailConfirmed, Unverified,
     instance_from_topic, worker_id,
 )
 from kvmiss.collectors.frames import BatchMessage, Channel, FrameError, ReplayEnd, parse_live
@@ -199,7 +199,7 @@ def test_a_replay_that_never_answers_is_retried_with_growing_waits_then_written_
     out = stream.on_tick(30.0)
     assert facts(out) == [Hole(42, 201, 201, HoleReason.UNCERTAIN, "no replay answer in 4 tries"),
                           Quarantine(42, 201, HoleReason.UNCERTAIN)]
-    assert seqs(out) == [202] and stream.next_deadline is None
+    assert seqs(out) == [202] and stream.next_deadline == 60.0  # a tail probe, after the cooldown
     assert stream.health.unrecoverable_gaps == {HoleReason.UNCERTAIN: 1}  # never "missing"
     assert (stream.health.replay_timeouts, stream.health.replays_failed) == (4, 1)
 
@@ -439,3 +439,175 @@ def test_every_seq_is_applied_once_in_order_or_inside_exactly_one_confirmed_hole
     assert all(h.reason is HoleReason.MISSING for h in holes) and stream.quarantined == bool(holes)
     if ring == 60:
         assert flat == list(range(60)) and not holes
+
+
+# --- tail probes: proof of an idle worker ---------------------------------------------------------
+
+PROBE = RequestReplay  # a tail probe is a RequestReplay with tail_probe=True
+
+
+def quiet_stream(last: int = 2, *, now: float = 1.0, **kwargs) -> WorkerStream:
+    """A fresh stream that applied 0..last live at ``now`` and then heard nothing."""
+    stream = WorkerStream(WORKER, replay=kwargs.pop("replay", True), **kwargs)
+    feed(stream, range(last + 1), now=now)
+    return stream
+
+
+def test_a_quiet_live_stream_sends_a_tail_probe_from_its_last_batch_after_the_interval():
+    stream = quiet_stream()
+    assert stream.next_deadline == 1.5  # StreamConfig default: 0.5 s of silence
+    assert stream.on_tick(1.49) == []
+    assert stream.on_tick(1.5) == [PROBE(2, request_id=1, tail_probe=True)]
+    assert stream.cursor is Cursor.LIVE  # a probe is not a recovery: nothing is held back
+    assert stream.next_deadline == 1.5 + 2.0  # the probe's answer time-out
+    h = stream.health
+    assert (h.tail_probes, h.replays_requested, h.gaps_detected) == (1, 0, 0)
+
+
+def test_our_last_batch_back_then_the_end_marker_confirms_the_tail_at_the_send_time():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    out = answer(stream, 1, [2], now=1.62)  # SGLang answers between queue polls (~100 ms)
+    assert out == [TailConfirmed(0, 2, at=1.5)]  # the send time: conservative
+    h = stream.health
+    assert (h.tail_confirmations, h.duplicates, h.batches_applied) == (1, 0, 3)
+    assert h.oldest_replayable_seq is None  # a probe's reply starts at the newest batch
+    assert stream.next_deadline == pytest.approx(1.62 + 0.5)  # still idle: probe again
+    stream.on_tick(2.12)
+    assert facts(answer(stream, 2, [2], now=2.2)) == [TailConfirmed(0, 2, at=2.12)]
+
+
+def test_a_probe_answered_with_batches_after_the_tail_applies_them_as_a_recovered_tail():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    removal = replayed(3, BlockRemoved(block_hashes=[H]))
+    out = answer(stream, 1, [2, removal, 4], now=1.6)  # 3 and 4 were lost live
+    assert seqs(out) == [3, 4] and all(b.replayed for b in applied(out))
+    assert {(b.run_start, b.run_start_seq, b.gap_from_seq) for b in applied(out)} == {
+        (RunStart.EPOCH_START, 0, None)}  # continuous: the removal stays provable
+    assert facts(out) == [TailConfirmed(0, 4, at=1.5)]  # the answer ended after 4
+    h = stream.health
+    assert (h.tail_recoveries, h.batches_replayed, h.replays_recovered) == (1, 2, 0)
+    assert not stream.quarantined and stream.health.unrecoverable_gaps == {}
+
+
+def test_a_probe_whose_ring_moved_on_past_the_tail_writes_off_the_missing_batches():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    out = answer(stream, 1, [7, 8], now=1.6)  # 3..6 published and lost, gone from the ring
+    assert facts(out) == [
+        EpochUncertain(0, Unverified.NOT_IN_RING),  # our last batch cannot be re-read
+        Hole(0, 3, 6, HoleReason.MISSING, "replay ring no longer holds it"),
+        Quarantine(0, 3, HoleReason.MISSING),
+    ]
+    assert seqs(out) == [7, 8] and stream.quarantined  # nothing confirmed
+
+
+def test_a_silent_probe_is_retried_then_given_up_without_a_hole_or_a_confirmation():
+    stream = quiet_stream(config=StreamConfig(replay_retries=1))
+    assert stream.on_tick(1.5) == [PROBE(2, request_id=1, tail_probe=True)]
+    assert stream.on_tick(3.5) == [PROBE(2, request_id=2, attempt=1, tail_probe=True)]
+    assert stream.on_tick(7.5) == []  # given up: nothing is known missing, nothing proven
+    assert not stream.quarantined and stream.cursor is Cursor.LIVE
+    h = stream.health
+    assert (h.tail_probes, h.tail_probes_unanswered, h.tail_confirmations) == (2, 1, 0)
+    assert (h.replay_timeouts, h.replays_failed, h.unrecoverable_gaps) == (0, 0, {})
+    assert stream.state.cooldown_until is None  # ordinary recovery may still ask at once
+    assert stream.next_deadline == 7.5 + 30.0  # the next probe waits out a cooldown
+    assert stream.on_live(live(4), now=8.0) == [RequestReplay(3, request_id=3)]
+
+
+def test_a_live_batch_during_a_probe_supersedes_it_and_its_late_answer_is_stale():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    assert seqs(feed(stream, [3], now=1.55)) == [3]
+    assert stream.next_deadline == pytest.approx(2.05)  # silence counts from the live batch
+    assert answer(stream, 1, [2, 3], now=1.6) == []  # confirms nothing about 3's tail
+    h = stream.health
+    assert (h.tail_probes_superseded, h.tail_confirmations) == (1, 0)
+    assert h.dropped == {DropReason.STALE_REPLY: 3}
+
+
+def test_a_hole_revealed_during_a_probe_gets_an_ordinary_replay():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    assert stream.on_live(live(4), now=1.55) == [RequestReplay(3, request_id=2)]
+    assert stream.cursor is Cursor.RECOVERING
+    assert seqs(answer(stream, 2, [3, 4], now=1.6)) == [3, 4]
+    assert (stream.health.replays_recovered, stream.health.tail_probes_superseded) == (1, 1)
+
+
+def test_other_bytes_at_the_last_seq_mean_another_process_answers_a_new_uncertain_epoch():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    other = BatchMessage(Channel.REPLAY, TOPIC, 2, payload(2, ts=5.0))
+    assert stream.on_replay(other, 1, now=1.6) == [
+        NewEpoch(1, EpochCause.IDENTITY_MISMATCH, certain=False), RequestReplay(0, request_id=2)]
+    assert stream.health.tail_confirmations == 0
+
+
+def test_an_answer_without_our_last_batch_confirms_nothing():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    # A restarted process that has published fewer batches (or none): its newest is older.
+    assert answer(stream, 1, [], now=1.6) == []
+    assert stream.health.tail_unverified == 1 and stream.state.epoch_certain
+    assert stream.next_deadline == pytest.approx(2.1)
+
+
+def test_a_reconnect_supersedes_a_probe_with_its_own_identity_check():
+    stream = quiet_stream()
+    stream.on_tick(1.5)
+    assert stream.on_reconnect(now=1.55) == [RequestReplay(2, request_id=2)]
+    assert stream.cursor is Cursor.VERIFYING and stream.health.tail_probes_superseded == 1
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("disabled", dict(config=StreamConfig(tail_probe_interval_s=None))),
+    ("no replay endpoint", dict(replay=False)),
+])
+def test_no_probe_when_disabled_or_without_a_replay_endpoint(why, kwargs):
+    stream = quiet_stream(**kwargs)
+    assert stream.next_deadline is None and stream.on_tick(100.0) == [], why
+
+
+def test_no_probe_while_a_hole_is_recovered_or_replay_cools_down():
+    stream = quiet_stream(config=StreamConfig(replay_retries=0, replay_cooldown_s=30.0))
+    assert stream.on_live(live(4), now=1.0) == [RequestReplay(3, request_id=1)]
+    assert stream.next_deadline == 3.0  # the recovery's time-out, not a probe
+    stream.on_tick(3.0)  # unanswered: written off, replay cools down until 33
+    assert stream.next_deadline == 33.0
+    assert stream.on_tick(10.0) == []
+    assert stream.on_tick(33.0) == [PROBE(4, request_id=2, tail_probe=True)]
+
+
+def test_a_quarantined_stream_probes_too_and_a_lost_clear_in_its_tail_releases_it():
+    stream = quiet_stream()
+    out = stream.on_live(BatchMessage(Channel.LIVE, TOPIC, 3, b"\xc1"), now=1.1) + feed(stream, [4], now=1.2)
+    assert facts(out)[1] == Quarantine(0, 3, HoleReason.MALFORMED) and stream.quarantined
+    assert stream.on_tick(1.7) == [PROBE(4, request_id=1, tail_probe=True)]
+    out = answer(stream, 1, [4, replayed(5, AllBlocksCleared())], now=1.8)
+    assert seqs(out) == [5]
+    assert facts(out) == [Release(0, 5, KnownEmpty.CLEARED), TailConfirmed(0, 5, at=1.7)]
+    assert not stream.quarantined
+
+
+def test_seconds_quarantined_keep_growing_on_ticks_after_the_last_batch():
+    stream = WorkerStream(WORKER, replay=False)
+    feed(stream, [0], now=1.0)
+    stream.on_live(BatchMessage(Channel.LIVE, TOPIC, 1, b"\xc1"), now=2.0)
+    assert stream.quarantined and stream.next_deadline is None  # nothing is ever due
+    stream.on_tick(12.0)
+    assert stream.health.quarantine_s == pytest.approx(10.0)
+
+
+def test_the_fleet_tells_every_stream_the_time_so_quarantine_seconds_keep_up():
+    from kvmiss.collectors.fleet import SUB, Fleet
+    from kvmiss.schemas.config import WorkerSpec
+
+    fleet = Fleet([WorkerSpec(id="w0", endpoint="tcp://127.0.0.1:1")], lambda w, a: None)
+    fleet.on_message("w0", SUB, [TOPIC.encode(), (0).to_bytes(8, "big"), payload(0)], 1.0)
+    fleet.on_message("w0", SUB, [TOPIC.encode(), (1).to_bytes(8, "big"), b"\xc1"], 2.0)
+    assert fleet.next_deadline() is None
+    assert fleet.on_tick(32.0) == []
+    assert fleet.streams["w0"].health.quarantine_s == pytest.approx(30.0)

@@ -206,3 +206,53 @@ def test_shutdown_judges_everything_still_held():
                                              "trace_id": bytes(16)})))
     pipe.poll(final=True)
     assert len(sink.spans()) == 3 and pipe.pending_spans == 0
+
+
+# --- judge_on_arrival: what `kvmiss serve` runs (no poll interval added to a request) -------
+
+
+def test_on_arrival_a_complete_request_leaves_with_its_batch_without_a_poll():
+    index, _ = evicted_history()
+    pipe, sink = make(index, Clock(), judge_on_arrival=True)
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span(), {"name": "db.query"})))
+    assert len(sink.requests) == 1 and attrs(sink.spans()[0])["kvmiss.label"] == "evicted"
+    assert pipe.poll() == 0 and pipe.pending_spans == 0
+
+
+def test_on_arrival_an_earlier_span_without_request_id_still_joins_first():
+    index, _ = evicted_history()
+    pipe, sink = make(index, Clock(), judge_on_arrival=True)
+    transfer = {"name": "kv_transfer", "kvmiss.transfer.result": "failed", "kvmiss.transfer.source": "B"}
+    asyncio.run(pipe.consume(export_request(transfer)))
+    assert sink.requests == []
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span())))
+    labels = {s.name: attrs(s).get("kvmiss.label") for s in sink.spans()}
+    assert labels == {"kv_transfer": None, "router": "transfer_failure", "llm_request": None}
+
+
+def test_on_arrival_the_history_wait_starts_when_the_spans_arrive():
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 10), {5: [stored(H)]}):
+        index.apply(b)
+    clock = Clock(50.0)
+    pipe, sink = make(index, clock, history_wait_s=5.0, judge_on_arrival=True)
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span())))
+    assert sink.requests == []  # lookup at 1020.5, history at 1009: waits
+    assert pipe.poll(54.9) == 0 and pipe.poll(55.0) == 1
+    assert attrs(sink.spans()[0])["kvmiss.history"] == "lagging"
+
+
+def test_a_raw_input_with_an_unusable_value_on_a_span_without_facts_is_still_stripped():
+    pipe, sink = make(ResidencyIndex(), Clock())
+    asyncio.run(pipe.consume(export_request({"name": "odd", "kvmiss.token_ids": "not-a-list"})))
+    assert "kvmiss.token_ids" not in attrs(sink.spans()[0])
+
+
+def test_raw_inputs_are_stripped_from_every_span_when_their_names_are_not_read():
+    from kvmiss.enricher.spans import SpanReader
+    from kvmiss.schemas.span_attributes import InputNames
+
+    reader = SpanReader(InputNames(block_hashes=["router.chain"]))  # kvmiss.block_hashes: not an input now
+    pipe, sink = make(ResidencyIndex(), Clock(), reader=reader)
+    asyncio.run(pipe.consume(export_request({"name": "plain", "kvmiss.block_hashes": [1, 2]})))
+    assert "kvmiss.block_hashes" not in attrs(sink.spans()[0])

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The long fuzz run (issue #7): every atheris target for N minutes each, seeded from
+# shared/reference/data, then the hypothesis properties with a large example budget.
+#
+#   bash benchmarks/fuzz_long.sh                 # 10 minutes per target, 5000 examples
+#   FUZZ_MINUTES=2 FUZZ_EXAMPLES=1000 bash benchmarks/fuzz_long.sh decode_batch parse_config
+#
+# Writes under out/fuzz/ (git-ignored): corpus/<target>/ (seeds + what libFuzzer kept; a
+# later run resumes from it), <target>.log, and crash-*/timeout-*/oom-* inputs when a target
+# breaks its contract. Prints one summary line per target. Exit status 1 if any target
+# crashed, hung or ran out of memory, or if the hypothesis run failed.
+# A crash input is replayed with:
+#   .venv/bin/python tests/fuzz/atheris_targets.py <target> out/fuzz/crash-<sha1>
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-.venv/bin/python}
+MINUTES=${FUZZ_MINUTES:-10}
+EXAMPLES=${FUZZ_EXAMPLES:-5000}
+OUT=out/fuzz
+TARGETS=("$@")
+if [ ${#TARGETS[@]} -eq 0 ]; then
+    TARGETS=(decode_batch parse_any parse_otlp_json otlp_protobuf parse_config decode_line)
+fi
+
+mkdir -p "$OUT"
+"$PY" tests/fuzz/atheris_targets.py --write-corpus "$OUT/corpus" >/dev/null || exit 1
+
+failed=0
+for target in "${TARGETS[@]}"; do
+    log="$OUT/$target.log"
+    "$PY" tests/fuzz/atheris_targets.py "$target" "$OUT/corpus/$target" \
+        -max_total_time=$((MINUTES * 60)) -timeout=10 -rss_limit_mb=4096 \
+        -artifact_prefix="$OUT/" -print_final_stats=1 >"$log" 2>&1
+    status=$?
+    runs=$(grep -Eo 'Done [0-9]+ runs in [0-9]+ second' "$log" | tail -1)
+    cov=$(grep -Eo 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+' "$log" | tail -1)
+    if [ $status -ne 0 ]; then
+        failed=1
+        echo "$target: FAILED (exit $status): $(grep -Eo '(crash|timeout|oom|leak)-[0-9a-f]+' "$log" | tail -1)  see $log"
+    else
+        echo "$target: ${runs:-no stats}, $cov, no crash"
+    fi
+done
+
+KVMISS_FUZZ_EXAMPLES=$EXAMPLES "$PY" -m pytest -q -p no:cacheprovider tests/fuzz tests/security \
+    >"$OUT/hypothesis.log" 2>&1 || failed=1
+echo "hypothesis ($EXAMPLES examples per property): $(tail -1 "$OUT/hypothesis.log")"
+exit $failed
