@@ -239,6 +239,8 @@ def gather(
         if node.stored_seq is None or node.stored_seq < run.start_seq:
             return Evidence(history=History.GAP, **gap, **base)  # store predates the run
         removed = node.removed_seq is not None and node.removed_seq <= step_seq
+        if removed and view.same_step_copies.get(key) == step_seq:
+            return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
         return Evidence(
             history=History.CONTINUOUS,
             presence=Presence.EVICTED if removed else Presence.RESIDENT,
@@ -248,6 +250,8 @@ def gather(
             removed_by_clear=removed and node.removed_by_clear,
             **base,
         )
+    if view.same_step_copies.get(key) == step_seq:
+        return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
     if key in view.pruned:
         if not aged_out_as_recent_match:
             return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)

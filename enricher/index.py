@@ -207,6 +207,11 @@ class EpochView:
         # epoch start or a clear), None while it is not: lets the fleet view rule a worker
         # out in O(1) when it has no record of a block.
         self.known_empty_since: float | None = None
+        # Blocks stored twice in one engine step (GPU): a request that skips the prefix
+        # cache (prompt logprobs) can store a block *before* another request's lookup in the
+        # same step, so for those the "stores in the lookup step come after it" rule fails.
+        # Rare; pruned with the log.
+        self.same_step_copies: dict[object, int] = {}
         self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
         self.last_ts: float | None = None
         self.tail: tuple[int, float] | None = None  # (seq, kvmiss time) of the latest confirmation
@@ -251,10 +256,14 @@ class EpochView:
                     if record.__class__ is int:
                         if record >= 0:  # a second copy
                             table[key] = (2, record, None, False, None)
+                            if record == seq and medium == GPU:
+                                self.same_step_copies[key] = seq
                         else:  # stored again after its removal
                             table[key] = (1, seq, None, False, record)
                     elif record[REMOVED] is None:
                         table[key] = (record[REFS] + 1, *record[1:])
+                        if record[STORED] == seq and medium == GPU:
+                            self.same_step_copies[key] = seq
                     else:
                         table[key] = (1, seq, None, False, record)
             elif cls is BlockRemoved:
@@ -304,6 +313,9 @@ class EpochView:
         blocks lost records. Resident intervals are never dropped (they are current)."""
         cut = bisect.bisect_left(self.log_ts, before_ts)
         horizon_seq = self.log_seq[cut] if cut < len(self.log_seq) else None
+        if self.same_step_copies:
+            self.same_step_copies = {k: q for k, q in self.same_step_copies.items()
+                                     if horizon_seq is not None and q >= horizon_seq}
         dropped = 0
         closed = self.closed
         while closed and closed[0][0] < before_ts:

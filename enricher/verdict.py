@@ -169,12 +169,13 @@ def attribute(
         return _verdict(Label.EVICTED, reason, **known)
     if evidence.presence is Presence.ABSENT:
         return _verdict(Label.NO_MATCH, _no_match_reason(facts, evidence), **known)
-    return _verdict(
-        Label.UNKNOWN_HISTORY,
-        "the index cannot place the first missed block on the chosen worker at lookup, "
-        "although its history is continuous",
-        **known,
-    )
+    if evidence.same_step_copies:
+        reason = ("two copies of the first missed block were stored in the engine step of the "
+                  "lookup; whether one preceded it (a request skipping the cache) is not established")
+    else:
+        reason = ("the index cannot place the first missed block on the chosen worker at lookup, "
+                  "although its history is continuous")
+    return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
 
 
 def _verdict(label: Label, reason: str, **fields: Any) -> Verdict:

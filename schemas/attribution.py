@@ -164,6 +164,9 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # Why some other worker (or tier) may have held H at t though neither could be proven:
     # while any remain, no label below routing_miss is provable.
     unresolved_holders: tuple[History, ...] = ()
+    # H was stored twice in the lookup's own engine step: one copy may predate the lookup
+    # (a request that skips the prefix cache), so absence or eviction is not provable.
+    same_step_copies: bool = False
 
 
 class DivergenceKind(str, enum.Enum):

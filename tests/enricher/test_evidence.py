@@ -258,3 +258,30 @@ def test_pruning_the_oldest_interval_keeps_the_newer_ones_exact():
     ev = gather(index, request("A", a.ts(90)))
     assert ev.presence is Presence.EVICTED and (ev.stored_seq, ev.removed_seq) == (80, 85)
     assert gather(index, request("A", a.ts(75))).history is History.AGED_OUT
+
+
+class TestSameStepCopies:
+    """A request that skips the prefix cache can store a block earlier in the very step in
+    which another request looks it up and misses (found by the demo's ground truth)."""
+
+    def test_two_copies_stored_in_the_lookup_step_make_absence_unprovable(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 4), {1: [stored(H), stored(H)]}))
+        ev = gather(index, request("A", a.ts(1) - 0.5))
+        assert ev.same_step_copies and ev.presence is Presence.UNKNOWN
+
+    def test_and_an_earlier_eviction_no_longer_proves_the_cause(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 9), {1: [stored(H)], 3: [removed(H)], 6: [stored(H), stored(H)]}))
+        ev = gather(index, request("A", a.ts(6) - 0.5))
+        assert ev.same_step_copies and ev.presence is Presence.UNKNOWN
+
+    def test_one_copy_in_the_lookup_step_is_the_requests_own_recompute(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 4), {1: [stored(H)]}))
+        assert gather(index, request("A", a.ts(1) - 0.5)).presence is Presence.ABSENT
+
+    def test_a_block_resident_before_the_step_stays_a_resident_miss(self):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 6), {1: [stored(H)], 4: [stored(H)]}))
+        assert gather(index, request("A", a.ts(4) - 0.5)).presence is Presence.RESIDENT
