@@ -44,7 +44,8 @@ _encoder = msgspec.json.Encoder()
 
 
 class FactLog:
-    """The fleet's sink: one JSON line per stream fact; applied batches are only counted."""
+    """The fleet's sink: one JSON line per stream fact; applied batches are only counted, tail
+    confirmations only in the streams' health (``tail_confirmations``)."""
 
     def __init__(self, out: IO[str]) -> None:
         self.out = out
@@ -52,11 +53,13 @@ class FactLog:
         self._lock = threading.Lock()  # the collector thread and the main thread both log
 
     def __call__(self, worker: str, action: Any) -> None:
-        from kvmiss.collectors.continuity import Apply
+        from kvmiss.collectors.continuity import Apply, TailConfirmed
 
         if isinstance(action, Apply):
             self.applied[worker] = self.applied.get(worker, 0) + 1
             return
+        if isinstance(action, TailConfirmed):
+            return  # repeats every probe interval while a worker idles: counted in health
         self.line(_fact_name(action), worker=worker, **msgspec.to_builtins(action))
 
     def line(self, event: str, **fields: Any) -> None:
