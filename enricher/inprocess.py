@@ -65,12 +65,14 @@ from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.privacy import DigestKey
-from kvmiss.enricher.spans import SpanReader, raw_input_names, verdict_attributes
+from kvmiss.enricher.spans import SpanReader, verdict_attributes
 from kvmiss.schemas.attribution import RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.inprocess")
 
-MAX_UNDRAINED_BATCHES = 10_000  # applied batches queued for the index before the collector thread applies them itself
+# Applied batches queued for the index before the collector thread applies them itself
+# (taking the lock): bounds the queue when no span is exported for a long while.
+MAX_UNDRAINED_BATCHES = 10_000
 PRUNE_EVERY_S = 5.0  # wall-clock seconds between retention prunes of the index
 
 
@@ -105,7 +107,7 @@ class EnrichingSpanExporter(SpanExporter):
         self.reader = reader or SpanReader()
         self.hasher = hasher
         self.default_block_size = default_block_size
-        self.drop = frozenset(raw_input_names(keep_block_hashes=keep_block_hashes))
+        self.drop = self.reader.raw_names(keep_block_hashes=keep_block_hashes)
         self.on_verdict = on_verdict
         self.clock = clock
         self.stats: collections.Counter[str] = collections.Counter()

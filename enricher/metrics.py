@@ -85,9 +85,13 @@ class KvmissCollector(Collector):
         requests = CounterMetricFamily("kvmiss_requests", "Requests judged, by attribution label.", labels=names)
         tokens = CounterMetricFamily("kvmiss_missed_tokens", "Prompt tokens the cache could have saved (L - C), by label.", labels=names)
         policies: list[str] = []
+        fleet = self.streams()
         folded: dict[tuple[str, ...], tuple[int, int, str | None]] = {}
         for (label, policy, worker), count in sorted(self.stats.verdicts.items()):
-            key = (label.value, LABEL_OWNER[label].value, worker, self._policy(policy, policies))
+            # Worker ids come from spans: only configured workers are label values (a hostile
+            # or misconfigured sender must not grow the series without bound).
+            shown = worker if not worker or worker in fleet else "untracked"
+            key = (label.value, LABEL_OWNER[label].value, shown, self._policy(policy, policies))
             n, t, ex = folded.get(key, (0, 0, None))
             folded[key] = (n + count, t + self.stats.missed_tokens[(label, policy, worker)],
                            ex or self.exemplars.get((label, policy, worker)))

@@ -29,12 +29,14 @@ from kvmiss.enricher.assembly import (Assembly, Fragment, JudgedRequests, Missin
                                      join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import (SpanReader, raw_input_names, strip_raw_inputs, upsert_attributes,
+from kvmiss.enricher.spans import (SpanReader, strip_raw_inputs, upsert_attributes,
                                   verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.pipeline")
+
+MAX_ROUTE_POLICIES = 16  # distinct routing-policy values kept as metric labels
 
 
 class ExportSink(Protocol):
@@ -96,12 +98,13 @@ class Pipeline:
         self.history_wait_s = history_wait_s
         self.max_pending_spans = max_pending_spans
         self.keep_block_hashes = keep_block_hashes
-        self._raw_outside_inputs = not all(
-            self.reader.is_input(name) for name in raw_input_names(keep_block_hashes=keep_block_hashes))
+        self.drop = self.reader.raw_names(keep_block_hashes=keep_block_hashes)
+        self._raw_outside_inputs = not all(self.reader.is_input(name) for name in self.drop)
         self.on_verdict = on_verdict
         self.clock = clock
         self.judge_on_arrival = judge_on_arrival
         self.stats = PipelineStats()
+        self._policies: set[str] = set()
         self.pending_spans = 0
         self._traces: dict[bytes, dict[str | None, Assembly]] = {}
         self._open: collections.deque[Assembly] = collections.deque()  # in arrival order
@@ -270,7 +273,7 @@ class Pipeline:
         verdict = self.attributor.attribute(facts)
         outcome = assembly.outcome_fragment()
         upsert_attributes(outcome.span, verdict_attributes(verdict, facts.lookup_time))
-        key = (verdict.label, facts.route_policy or "", facts.worker or "")
+        key = self.metric_key(facts, verdict)
         self.stats.verdicts[key] += 1
         self.stats.missed_tokens[key] += verdict.missed_tokens
         self.stats.history_wait_s.append(waited)
@@ -278,6 +281,21 @@ class Pipeline:
         if self.on_verdict is not None:
             self.on_verdict(facts, verdict, assembly.trace_id)
         self._finish(assembly)
+
+    def metric_key(self, facts: RequestFacts, verdict: Verdict) -> tuple[Label, str, str]:
+        """(label, routing policy, worker) for counters. Both names come from spans, so both
+        are bounded here: workers to the tracked fleet ("untracked" otherwise), policies to
+        the first `MAX_ROUTE_POLICIES` seen ("other" after) -- memory and metric series."""
+        worker = facts.worker or ""
+        if worker and worker not in self.attributor.index.tracked:
+            worker = "untracked"
+        policy = facts.route_policy or ""
+        if policy and policy not in self._policies:
+            if len(self._policies) >= MAX_ROUTE_POLICIES:
+                policy = "other"
+            else:
+                self._policies.add(policy)
+        return verdict.label, policy, worker
 
     def _give_up(self, assembly: Assembly, missing: MissingFacts) -> None:
         """Facts never completed: the outcome span still goes out, labelled with the honest
@@ -305,7 +323,7 @@ class Pipeline:
         else:  # every raw input name is an input: only spans with input attributes can carry one
             spans = batch.carriers
         for span in spans:
-            strip_raw_inputs(span, keep_block_hashes=self.keep_block_hashes)
+            strip_raw_inputs(span, self.drop)
         self.pending_spans -= batch.spans
         if self.sink.put(batch.request):
             self.stats.spans_out += batch.spans

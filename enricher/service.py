@@ -33,6 +33,7 @@ from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.privacy import DigestKey, load_digest_key
+from kvmiss.enricher.otlp import ConsumeResult
 from kvmiss.enricher.receiver import Receivers, parse_listen
 from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
@@ -92,7 +93,7 @@ class Service:
             max_pending_spans=config.otlp.max_pending_spans,
             keep_block_hashes=config.export.keep_block_hashes,
             on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True)
-        self.receivers = Receivers(config.otlp, self.pipeline)
+        self.receivers = Receivers(config.otlp, self)  # self.consume: see there
         self.registry = CollectorRegistry()
         self.registry.register(KvmissCollector(
             self.pipeline.stats, lambda: self.fleet.streams,
@@ -133,7 +134,7 @@ class Service:
             log.info("worker %s: %s", worker, _describe(action))
 
     def _on_verdict(self, facts: RequestFacts, verdict: Verdict, trace_id: bytes) -> None:
-        self.exemplars[(verdict.label, facts.route_policy or "", facts.worker or "")] = trace_id.hex()
+        self.exemplars[self.pipeline.metric_key(facts, verdict)] = trace_id.hex()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -177,6 +178,13 @@ class Service:
                 if newest:
                     self.index.prune(newest)
             await asyncio.sleep(TICK_S)
+
+    async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+        """The receivers' consumer: the pipeline, which judges on arrival, after the index has
+        taken every batch the collector handed over, so a request whose history is here does
+        not wait for the next tick."""
+        self._drain_applied()
+        return await self.pipeline.consume(request)
 
     def _drain_applied(self) -> None:
         applied, index = self._applied, self.index

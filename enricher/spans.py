@@ -177,6 +177,15 @@ class SpanReader:
         self._instance_names = list(inputs.instance)
         self._worker_names = list(inputs.resource_worker)
 
+    def raw_names(self, *, keep_block_hashes: bool = False) -> frozenset[str]:
+        """Every attribute never exported: prompt material (token ids, extra keys) under the
+        default names and every configured name kvmiss reads it from, and, unless kept, the
+        block hashes likewise."""
+        facts = ("token_ids", "extra_keys") + (() if keep_block_hashes else ("block_hashes",))
+        configured = {attr for attr, (fact, _) in self._lookup.items() if fact in facts}
+        defaults = names.RAW_INPUTS if keep_block_hashes else (*names.RAW_INPUTS, names.BLOCK_HASHES)
+        return frozenset(configured | set(defaults))
+
     def is_input(self, attribute: str) -> bool:
         """Whether ``attribute`` is read as some fact (the configured names)."""
         return attribute in self._lookup
@@ -327,13 +336,7 @@ def _delete(attributes: Any, indexes: list[int]) -> None:
         del attributes[i]
 
 
-def raw_input_names(*, keep_block_hashes: bool = False) -> tuple[str, ...]:
-    """The attributes never exported: prompt material and, by default, block hashes."""
-    return names.RAW_INPUTS if keep_block_hashes else (*names.RAW_INPUTS, names.BLOCK_HASHES)
-
-
-def strip_raw_inputs(span: Any, *, keep_block_hashes: bool = False) -> None:
-    """Remove prompt material (and, by default, block hashes) from a span before export."""
-    drop = raw_input_names(keep_block_hashes=keep_block_hashes)
+def strip_raw_inputs(span: Any, drop: frozenset[str]) -> None:
+    """Remove the attributes in ``drop`` (`SpanReader.raw_names`) from a span before export."""
     attributes = span.attributes
     _delete(attributes, [i for i, kv in enumerate(attributes) if kv.key in drop])

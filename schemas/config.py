@@ -177,6 +177,11 @@ def _check(config: Config, source: str) -> None:
     addresses = [(w.sub_endpoint(), w.topic) for w in config.workers]
     if len(set(addresses)) != len(addresses):
         raise ConfigError(f"{source}: workers: two workers subscribe to the same endpoint and rank")
+    for name, value in (("otlp.max_body_bytes", config.otlp.max_body_bytes),
+                        ("otlp.max_pending_spans", config.otlp.max_pending_spans),
+                        ("export.timeout_s", config.export.timeout_s)):
+        if not value > 0:
+            raise ConfigError(f"{source}: {name} must be positive, got {value}")
     if config.engine.block_size <= 0:
         raise ConfigError(f"{source}: engine.block_size must be positive")
     if config.history.retention_s <= 0 or config.history.wait_s < 0:

@@ -256,3 +256,16 @@ def test_raw_inputs_are_stripped_from_every_span_when_their_names_are_not_read()
     pipe, sink = make(ResidencyIndex(), Clock(), reader=reader)
     asyncio.run(pipe.consume(export_request({"name": "plain", "kvmiss.block_hashes": [1, 2]})))
     assert "kvmiss.block_hashes" not in attrs(sink.spans()[0])
+
+
+def test_span_supplied_workers_and_policies_are_bounded_metric_keys():
+    pipe, _ = make(ResidencyIndex(["A"]), Clock())
+    from kvmiss.schemas.attribution import Label, RequestFacts, Verdict, Owner
+    verdict = Verdict(label=Label.HIT, owner=Owner.NONE, reason="r")
+    keys = {pipe.metric_key(RequestFacts(prompt_tokens=1, cached_tokens=0, block_size=16,
+                                         worker=f"w{i}", route_policy=f"p{i}"), verdict)
+            for i in range(100)}
+    assert {k[2] for k in keys} == {"untracked"}
+    assert len({k[1] for k in keys}) == 17 and ("other" in {k[1] for k in keys})
+    tracked = pipe.metric_key(RequestFacts(prompt_tokens=1, cached_tokens=0, block_size=16, worker="A"), verdict)
+    assert tracked[2] == "A"

@@ -121,13 +121,19 @@ class TestWriting:
         assert attrs[names.LABEL] == ["evicted"] and attrs["other"] == ["kept"]
         assert all(len(v) == 1 for v in attrs.values())
 
+    def test_raw_inputs_under_configured_names_are_stripped_too(self):
+        reader = SpanReader(InputNames(token_ids=["router.prompt_ids"], block_hashes=["router.chain"]))
+        s = span(router__prompt_ids=[1, 2], router__chain=[3], kvmiss__token_ids=[4], keep="me")
+        strip_raw_inputs(s, reader.raw_names())
+        assert list(attrs_of(s)) == ["keep"]
+
     def test_raw_inputs_are_stripped_and_block_hashes_by_default(self):
         s = span(kvmiss__token_ids=[1, 2], kvmiss__extra_keys='{"cache_salt": "s"}',
                  kvmiss__block_hashes=[5], keep="me")
-        strip_raw_inputs(s)
+        strip_raw_inputs(s, SpanReader().raw_names())
         assert list(attrs_of(s)) == ["keep"]
         s = span(kvmiss__token_ids=[1, 2], kvmiss__block_hashes=[5])
-        strip_raw_inputs(s, keep_block_hashes=True)
+        strip_raw_inputs(s, SpanReader().raw_names(keep_block_hashes=True))
         assert list(attrs_of(s)) == ["kvmiss.block_hashes"]
 
 
