@@ -32,7 +32,11 @@ Phases (each bounded by a batch count and a deadline):
   3. via kvmiss at a fixed offered rate (``--rate``, default 40,000 spans/s), open loop;
   4. via kvmiss, saturated (``--concurrency`` POSTs in flight): spans/s, kvmiss CPU/span.
 
-Usage: .venv/bin/python benchmarks/bench_serve.py [--profile cprofile|py-spy]
+``--pipeline-only`` instead measures `Pipeline.consume` alone in this process on the same
+population and payloads (CPU time, best of ``--repeat``): the enrichment cost without the
+OTLP plumbing, and without the noise of other load on a shared machine.
+
+Usage: .venv/bin/python benchmarks/bench_serve.py [--profile cprofile|py-spy] [--pipeline-only]
 """
 
 from __future__ import annotations
@@ -101,6 +105,23 @@ def process_cpu_s(pid: int) -> float:
 # --- publishers (child process) ------------------------------------------------------------
 
 
+POPULATION_STEPS = RESIDENT_STEPS + 2 * EVICTED_STEPS
+
+
+def population_events(w: int, step: int) -> list:
+    """Worker ``w``'s events at population step ``step``: 64 resident blocks stored, then
+    64 to-be-evicted blocks stored, then those removed one BlockRemoved each (as vLLM)."""
+    from kvmiss.schemas.events import BlockRemoved, BlockStored
+
+    if step < RESIDENT_STEPS:
+        return [BlockStored(block_hashes=[h(RES, w, step * 64 + j) for j in range(64)], block_size=BLOCK)]
+    k = step - RESIDENT_STEPS
+    if k < EVICTED_STEPS:
+        return [BlockStored(block_hashes=[h(EVI, w, k * 64 + j) for j in range(64)], block_size=BLOCK)]
+    k -= EVICTED_STEPS
+    return [BlockRemoved(block_hashes=[h(EVI, w, k * 64 + j)]) for j in range(64)]
+
+
 def publishers_main(conn, endpoints: list[str]) -> None:
     import msgspec
     import zmq
@@ -131,19 +152,9 @@ def publishers_main(conn, endpoints: list[str]) -> None:
             return
         s.recv()
     last_ts = 0.0
-    for step in range(RESIDENT_STEPS + 2 * EVICTED_STEPS):
+    for step in range(POPULATION_STEPS):
         for w in range(len(socks)):
-            if step < RESIDENT_STEPS:
-                hashes = [h(RES, w, step * 64 + j) for j in range(64)]
-                events = [BlockStored(block_hashes=hashes, parent_block_hash=None, block_size=BLOCK)]
-            elif step < RESIDENT_STEPS + EVICTED_STEPS:
-                k = step - RESIDENT_STEPS
-                hashes = [h(EVI, w, k * 64 + j) for j in range(64)]
-                events = [BlockStored(block_hashes=hashes, parent_block_hash=None, block_size=BLOCK)]
-            else:
-                k = step - RESIDENT_STEPS - EVICTED_STEPS
-                events = [BlockRemoved(block_hashes=[h(EVI, w, k * 64 + j)]) for j in range(64)]
-            last_ts = publish(w, events)
+            last_ts = publish(w, population_events(w, step))
         if step % 16 == 15:
             time.sleep(0.005)  # an engine publishes per step; let the collector keep pace
     conn.send(("populated", last_ts, list(seqs)))
@@ -385,6 +396,60 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
     conn.send(("results", results))
 
 
+# --- the pipeline alone, in this process (--pipeline-only) -----------------------------------
+
+
+def pipeline_only(args) -> None:
+    """CPU per span of `Pipeline.consume` (judge_on_arrival, as `kvmiss serve` runs it) on the
+    same population and payloads, no sockets: insensitive to other load on the machine."""
+    import gc
+    import gzip
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from kvmiss.enricher.attribution import Attributor
+    from kvmiss.enricher.index import ResidencyIndex
+    from kvmiss.enricher.pipeline import Pipeline
+    from kvmiss.enricher.privacy import DigestKey
+    from kvmiss.schemas.stream import AppliedBatch, RunStart
+
+    index = ResidencyIndex([f"w{w}" for w in range(args.workers)])
+    ts = 1_764_000_000.0
+    for step in range(POPULATION_STEPS):
+        ts += 0.001
+        for w in range(args.workers):
+            index.apply(AppliedBatch(worker=f"w{w}", epoch=0, seq=step, ts=ts, recv_ts=ts, events=population_events(w, step),
+                                     run_start_seq=0, run_start=RunStart.EPOCH_START))
+    payloads, _ = build_payloads(args.batches, args.workers, ts - 0.001, seed=42)
+    bodies = [gzip.decompress(p) for p in payloads]
+
+    class Discard:
+        def has_capacity(self, spans: int) -> bool:
+            return True
+
+        def put(self, request) -> bool:
+            return True
+
+    async def consume_all(requests, pipeline):
+        for request in requests:
+            await pipeline.consume(request)
+        pipeline.poll()
+
+    best = float("inf")
+    for _ in range(args.repeat):
+        pipeline = Pipeline(Attributor(index, DigestKey("bench-serve-digest-key-0001")), Discard(),
+                            clock=time.monotonic, judge_on_arrival=True)
+        requests = [ExportTraceServiceRequest.FromString(b) for b in bodies]
+        gc.collect()
+        t0 = time.process_time()
+        asyncio.run(consume_all(requests, pipeline))
+        best = min(best, time.process_time() - t0)
+        assert pipeline.pending_spans == 0, "every request should have been judged on arrival"
+    spans = args.batches * SPANS_PER_BATCH
+    print(f"Pipeline.consume alone (judge_on_arrival, {args.workers} workers' population, {args.batches} batches, "
+          f"best of {args.repeat}): {best / spans * 1e6:.1f} us CPU/span, {best / args.batches * 1e3:.1f} ms/batch")
+
+
 # --- orchestration ---------------------------------------------------------------------------
 
 
@@ -419,7 +484,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--deadline-s", type=float, default=120.0)
     parser.add_argument("--profile", choices=("cprofile", "py-spy"), help="profile kvmiss serve meanwhile")
+    parser.add_argument("--pipeline-only", action="store_true",
+                        help="measure Pipeline.consume's CPU/span in this process instead (no sockets)")
+    parser.add_argument("--repeat", type=int, default=5, help="--pipeline-only: best of this many runs")
     args = parser.parse_args(argv)
+    if args.pipeline_only:
+        pipeline_only(args)
+        return
     if not sys.platform.startswith("linux"):
         sys.exit("needs Linux (/proc) for the CPU figures")
     ctx = multiprocessing.get_context("spawn")
@@ -500,6 +571,8 @@ def main(argv: list[str] | None = None) -> None:
             c.join(5)
             if c.is_alive():
                 c.kill()
+        if not args.profile:  # keep the config, serve.log and the profile only when profiling
+            shutil.rmtree(work, ignore_errors=True)
     report(args, results, metrics, tally, population_s, sum(pop_seqs), sum(final_seqs))
     if args.profile == "cprofile":
         import pstats
