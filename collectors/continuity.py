@@ -40,6 +40,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A live stream with a replay endpoint that has received nothing for this long sends a
     # tail probe (see `RecoveryPurpose.TAIL_PROBE`); None disables probing.
     tail_probe_interval_s: float | None = TAIL_PROBE_INTERVAL_S
+    # On the first connection, with a replay endpoint, ask for everything from `first_seq`
+    # at once rather than waiting for a live batch: a publisher that went quiet right after
+    # a burst (or before we connected) would otherwise leave the stream INITIAL forever.
+    replay_on_connect: bool = True
 
 
 class Received(msgspec.Struct, frozen=True):

@@ -20,7 +20,8 @@ log = logging.getLogger("kvmiss.collectors")
 
 SUB, DEALER, MONITOR = "sub", "dealer", "monitor"
 TICK = "tick"  # a timer that came due: recorded so playback runs it at the same point
-RECONNECTED = b"reconnected"  # the one monitor fact a stream needs
+CONNECTED = b"connected"  # the first connection of a SUB socket
+RECONNECTED = b"reconnected"  # a later one: the publisher may be a new process
 
 
 Sink = Callable[[str, StreamAction], None]
@@ -52,6 +53,8 @@ class Fleet:
             actions = stream.on_replay(parse_replay(frames), request_id or 0, now)
         elif socket == MONITOR and frames == [RECONNECTED]:
             actions = stream.on_reconnect(now)
+        elif socket == MONITOR and frames == [CONNECTED]:
+            actions = stream.on_connect(now)
         elif socket == TICK:
             actions = stream.on_tick(now)
         else:

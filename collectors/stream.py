@@ -173,6 +173,16 @@ class WorkerStream:
             self._request(RecoveryPurpose.TAIL_PROBE, last, applied)
         return self._end()
 
+    def on_connect(self, now: float) -> list[StreamAction]:
+        """The SUB socket connected for the first time: with a replay endpoint, ask for the
+        whole ring now (see `StreamConfig.replay_on_connect`)."""
+        self._begin(now)
+        state = self.state
+        if (self.config.replay_on_connect and self._replay_usable() and state.applied_seq is None
+                and state.recovery is None and state.live_seen is None):
+            self._request(RecoveryPurpose.FROM_ZERO, self.config.first_seq, -1)
+        return self._end()
+
     def on_reconnect(self, now: float) -> list[StreamAction]:
         """The SUB socket (re)connected: call before its first message (a first connect is fine)."""
         self._begin(now)

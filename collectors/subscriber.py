@@ -22,7 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvmiss.collectors.continuity import RequestReplay
-from kvmiss.collectors.fleet import DEALER, MONITOR, RECONNECTED, SUB, TICK, Fleet
+from kvmiss.collectors.fleet import CONNECTED, DEALER, MONITOR, RECONNECTED, SUB, TICK, Fleet
 from kvmiss.collectors.frames import encode_replay_request
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
 
@@ -194,7 +194,9 @@ class Subscriber:
         if kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
             first = worker not in self._connected_once
             self._connected_once.add(worker)
-            if not first and worker in self._disconnected:
+            if first:
+                return [CONNECTED]
+            if worker in self._disconnected:
                 self._disconnected.discard(worker)
                 log.info("worker %s: publisher reconnected", worker)
                 return [RECONNECTED]

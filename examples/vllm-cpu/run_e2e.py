@@ -94,10 +94,27 @@ def workload() -> list[Step]:
 # --- processes ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: set[int] = set()) -> int:
+    """A free TCP port *below* the kernel's ephemeral range: the KV-event PUB and replay sockets
+    bind only when the engine core starts, a minute after the port was picked, and meanwhile
+    vLLM's own ZMQ sockets take ephemeral ports (a precaution: no collision was observed)."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in taken:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        taken.add(port)
+        return port
+    raise SystemExit("no free port below the ephemeral range")
 
 
 def say(text: str) -> None:
@@ -314,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=240.0)
     parser.add_argument("--label-timeout", type=float, default=90.0)
     parser.add_argument("--json", type=Path, help="also write the summary here")
+    parser.add_argument("--settle", type=float, default=6.0,
+                        help="seconds between vLLM ready and the first request (kvmiss's subscriber "
+                             "reconnects with a backoff of up to 5 s)")
     parser.add_argument("--memory-utilization", type=float, default=0.1,
                         help="--gpu-memory-utilization: on CPU the share of NUMA node 0's memory that must be "
                              "free at start-up (the 16-block pool needs almost none)")
@@ -353,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         vllm = subprocess.Popen(command, env=env, cwd=scratch, stdout=open(run_dir / "vllm.log", "w"),
                                 stderr=subprocess.STDOUT)
         wait_http(f"http://127.0.0.1:{ports['vllm']}/health", args.start_timeout, vllm, "vLLM", run_dir / "vllm.log")
-        say(f"vLLM ready after {time.monotonic() - started:.0f} s")
+        say(f"vLLM ready after {time.monotonic() - started:.0f} s; waiting {args.settle:.0f} s for kvmiss's "
+            "subscriber to connect")
+        # kvmiss's SUB has been reconnecting (backoff up to 5 s) since long before the engine
+        # bound its PUB; batches published before it connects are not seen, and with nothing
+        # published after them kvmiss would not even know they existed.
+        time.sleep(args.settle)
 
         for step in steps:
             complete(ports["vllm"], step)

@@ -31,8 +31,9 @@ from kvmiss.schemas.stream import RunStart
 
 WAIT_S = 5.0  # deadline for any one condition; a healthy run meets each in milliseconds
 # The cases below assert every replay request and fact, so tail probes (timer-driven, sent
-# whenever a worker is quiet for a moment) are off unless a case is about them.
-NO_PROBES = StreamConfig(tail_probe_interval_s=None)
+# whenever a worker is quiet for a moment) and the replay on first connect are off unless a
+# case is about them.
+NO_PROBES = StreamConfig(tail_probe_interval_s=None, replay_on_connect=False)
 
 
 def block_hash(generation: int, seq: int) -> int:
@@ -440,7 +441,7 @@ def test_a_mid_stream_join_past_the_ring_is_a_joined_run_not_a_quarantine(rig):
 # --- 6. a replay endpoint that never answers -----------------------------------------------------
 
 QUICK = StreamConfig(replay_timeout_s=0.15, replay_retries=2, replay_backoff=1.0,
-                     replay_cooldown_s=30.0, tail_probe_interval_s=None)
+                     replay_cooldown_s=30.0, tail_probe_interval_s=None, replay_on_connect=False)
 
 
 def test_a_replay_that_never_answers_is_retried_then_written_off_as_uncertain(rig):
@@ -555,7 +556,7 @@ def test_a_recording_of_a_faulty_run_plays_back_to_the_same_applied_batches(rig,
 
 # --- 9. tail probes: an idle worker proven idle, a lost last batch found -------------------------
 
-PROBING = StreamConfig(tail_probe_interval_s=0.2)
+PROBING = StreamConfig(tail_probe_interval_s=0.2, replay_on_connect=False)
 
 
 def tails(sink: Collected) -> list[TailConfirmed]:
@@ -626,7 +627,7 @@ def test_a_dropped_last_batch_is_found_by_a_tail_probe_and_applied_in_order(rig)
 def test_tail_probes_do_not_disturb_ordinary_recovery_and_a_recording_plays_back_the_same(rig, tmp_path):
     path = tmp_path / "probing.kvrec"
     recorder = RecordingWriter(path)
-    config = StreamConfig(tail_probe_interval_s=0.05)  # probing all the time
+    config = StreamConfig(tail_probe_interval_s=0.05, replay_on_connect=False)  # probing all the time
     r = rig(config=config, recorder=recorder)
     r.start_collector()
     for _ in range(4):

@@ -611,3 +611,36 @@ def test_the_fleet_tells_every_stream_the_time_so_quarantine_seconds_keep_up():
     assert fleet.next_deadline() is None
     assert fleet.on_tick(32.0) == []
     assert fleet.streams["w0"].health.quarantine_s == pytest.approx(30.0)
+
+
+class TestReplayOnFirstConnect:
+    """A publisher that went quiet right after a burst (or before we connected) must not leave
+    the stream INITIAL: the first connection asks for the whole ring (found in the real vLLM
+    run, where kvmiss's subscriber sometimes connected after the engine's only burst)."""
+
+    def test_the_first_connection_asks_for_everything_from_seq_0(self):
+        stream = WorkerStream("w0", replay=True)
+        (request,) = [a for a in stream.on_connect(1.0) if isinstance(a, RequestReplay)]
+        assert request.start_seq == 0
+
+    def test_the_burst_comes_back_through_replay_as_an_epoch_start(self):
+        stream = WorkerStream("w0", replay=True)
+        (request,) = stream.on_connect(1.0)
+        applied = []
+        for seq in range(3):
+            applied += [a.batch for a in stream.on_replay(replayed(seq), request.request_id, 1.1)
+                        if isinstance(a, Apply)]
+        stream.on_replay(ReplayEnd(), request.request_id, 1.2)
+        assert [b.seq for b in applied] == [0, 1, 2]
+        assert applied[0].run_start is RunStart.EPOCH_START and stream.state.recovery is None
+
+    def test_an_empty_ring_leaves_nothing_owed(self):
+        stream = WorkerStream("w0", replay=True)
+        (request,) = stream.on_connect(1.0)
+        assert stream.on_replay(ReplayEnd(), request.request_id, 1.1) == []
+        assert stream.state.recovery is None and not stream.quarantined
+
+    def test_not_without_a_replay_endpoint_or_when_turned_off(self):
+        assert WorkerStream("w0", replay=False).on_connect(1.0) == []
+        off = WorkerStream("w0", replay=True, config=StreamConfig(replay_on_connect=False))
+        assert off.on_connect(1.0) == []

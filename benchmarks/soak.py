@@ -1,0 +1,711 @@
+"""Soak: a real ``kvmiss serve`` under sustained load for N minutes (issue #7, item 2).
+
+Four processes, all on loopback, every loop bounded by a count and a deadline:
+
+    fleet (this script, spawned)   W simulated engines: kvmiss's demo publisher (vLLM 0.33's
+                                   wire protocol; real ZeroMQ PUB + ROUTER replay sockets),
+                                   one step every 1/hz s per worker: store a chain of new
+                                   blocks, remove the chain stored R steps earlier
+    kvmiss serve (subprocess)      the service under test, [history] retention_s small so
+                                   the run prunes the index all along
+    sink (this script, spawned)    a real OTLP/HTTP sink: counts spans per batch, checks the
+                                   verdict on every router span against the label expected
+    generator (this process)       OTLP/HTTP gzip'd protobuf, 512-span batches at a fixed rate;
+                                   1 span in ``--router-every`` is a router span whose kvmiss
+                                   inputs name blocks the fleet really published (resident on
+                                   the chosen worker, on another, evicted from it, never
+                                   stored, or a hit) and carry the expected label
+
+Lookup times are taken between two fleet steps at least ``--lookback-steps`` old, so no
+request has to wait for its history: the latency measured is kvmiss's own (receive, judge,
+forward), not a deliberate history wait (kvmiss's wait histogram is reported to show it).
+503s are honoured (Retry-After) and counted; latency is taken from the accepted attempt.
+
+Reports: throughput (spans/s in and out, block events/s published, batches/s applied),
+p50/p99 latency POST -> sink through kvmiss and, for reference, straight to the sink;
+kvmiss's RSS sampled over time (slope after warm-up); kvmiss CPU per span; spans sent vs
+received per batch (must be equal: zero lost, zero duplicated); verdicts: exact / honest
+unknown / wrong (must be 0 wrong), per minute.
+
+Usage: .venv/bin/python benchmarks/soak.py [--minutes 3] [--rate 20000] [--workers 4]
+       [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import datetime
+import gzip
+import json
+import multiprocessing
+import os
+import platform
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import zlib
+from pathlib import Path
+
+BLOCK = 16
+UNKNOWN = ("unknown_history", "unknown_epoch")
+LABEL_MIX = (("resident_miss", 30), ("routing_miss", 25), ("evicted", 20), ("no_match", 20), ("hit", 5))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# --- the fleet (child process) -----------------------------------------------------------------
+
+
+def fleet_main(args: dict, conn, info_q, stop) -> None:
+    """W demo publishers stepping at ``hz``; every step's stored chains go to ``info_q``."""
+    import zmq
+
+    from kvmiss.enricher.demo.publisher import BlockRemoved, BlockStored, EventBatch, Publisher
+
+    ctx = zmq.Context()
+    n, hz, blocks, keep = args["workers"], args["step_hz"], args["blocks_per_step"], args["resident_steps"]
+    pubs = []
+    for w in range(n):
+        pub = Publisher(ctx, topic=f"kv@w{w}@soak", buffer_steps=20_000)
+        pub.start()
+        pubs.append(pub)
+    conn.send([(p.pub_endpoint, p.replay_endpoint) for p in pubs])
+    rng = random.Random(args["seed"])
+    chains: list[collections.deque] = [collections.deque(maxlen=keep) for _ in range(n)]
+    token_ids = list(range(BLOCK * blocks))
+    start = time.time()
+    steps = events = overruns = 0
+    deadline = start + args["fleet_seconds"]
+    while not stop.is_set() and time.time() < deadline:
+        s = time.time()
+        stored_now = []
+        for w, pub in enumerate(pubs):
+            chain = [rng.getrandbits(63) for _ in range(blocks)]
+            batch_events = [BlockStored(block_hashes=chain, parent_block_hash=None, token_ids=token_ids,
+                                        block_size=BLOCK, lora_id=None, medium=None, lora_name=None)]
+            events += blocks
+            if len(chains[w]) == keep:  # the chain stored `keep` steps ago leaves now
+                batch_events.append(BlockRemoved(block_hashes=chains[w][0], medium=None))
+                events += blocks
+            chains[w].append(chain)
+            pub.publish(EventBatch(ts=time.time(), events=batch_events, data_parallel_rank=None))
+            stored_now.append(chain)
+        e = time.time()
+        info_q.put((steps, s, e, stored_now))
+        steps += 1
+        due = start + steps / hz
+        pause = due - time.time()
+        if pause > 0:
+            time.sleep(pause)
+        else:
+            overruns += 1
+    for pub in pubs:
+        pub.shutdown()
+    ctx.term()
+    conn.send({"steps": steps, "seconds": time.time() - start, "block_events": events,
+               "batches": steps * n, "overruns": overruns})
+
+
+# --- the sink (child process) ------------------------------------------------------------------
+
+
+def sink_main(conn) -> None:
+    asyncio.run(_sink(conn))
+
+
+async def _sink(conn) -> None:
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
+    ok = ExportTraceServiceResponse().SerializeToString()
+    batches: dict[int, list] = {}  # batch id -> [first arrival, spans, deliveries]
+    outcomes: collections.Counter = collections.Counter()  # (expected, got, history)
+    by_minute: collections.Counter = collections.Counter()  # (minute, exact|unknown|wrong)
+    wrong_examples: list = []
+    totals = {"spans": 0, "requests": 0, "unattributed_spans": 0}
+    start = [None]
+
+    def value(kv):
+        kind = kv.value.WhichOneof("value")
+        return getattr(kv.value, kind) if kind else None
+
+    async def traces(request: web.Request) -> web.Response:
+        body = await request.read()  # aiohttp gunzips
+        now = time.time()
+        message = ExportTraceServiceRequest.FromString(body)
+        batch_id, n = None, 0
+        for rs in message.resource_spans:
+            for kv in rs.resource.attributes:
+                if kv.key == "soak.batch":
+                    batch_id = kv.value.int_value
+            for ss in rs.scope_spans:
+                n += len(ss.spans)
+                if batch_id is None or batch_id < 0 or not any(kv.key == "soak.batch" for kv in rs.resource.attributes):
+                    continue  # plain spans, or a baseline batch that never went through kvmiss
+                for span in ss.spans:  # router spans: their own resource, small
+                    attrs = {kv.key: value(kv) for kv in span.attributes}
+                    expected, got = attrs.get("soak.expect"), attrs.get("kvmiss.label")
+                    if expected is None:
+                        continue
+                    history = attrs.get("kvmiss.history", "") if got in UNKNOWN else ""
+                    outcomes[(expected, got, history)] += 1
+                    verdict = "exact" if got == expected else "unknown" if got in UNKNOWN else "wrong"
+                    if start[0] is None:
+                        start[0] = now
+                    by_minute[(int((now - start[0]) // 60), verdict)] += 1
+                    if verdict == "wrong" and len(wrong_examples) < 20:
+                        wrong_examples.append((attrs.get("gen_ai.request.id"), expected, got, attrs.get("kvmiss.reason")))
+        totals["spans"] += n
+        totals["requests"] += 1
+        if batch_id is None:
+            totals["unattributed_spans"] += n
+        else:
+            entry = batches.setdefault(batch_id, [now, 0, 0])
+            entry[1] += n
+            entry[2] += 1
+        return web.Response(body=ok, content_type="application/x-protobuf")
+
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    conn.send(runner.addresses[0][1])
+    loop = asyncio.get_running_loop()
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        if command == "totals":
+            conn.send(dict(totals))
+        elif command == "dump":
+            conn.send({"batches": batches, "outcomes": dict(outcomes), "by_minute": dict(by_minute),
+                       "wrong_examples": wrong_examples, "totals": dict(totals)})
+        elif command == "stop":
+            break
+    await runner.cleanup()
+
+
+# --- the load generator (this process) ---------------------------------------------------------
+
+
+def attr(attributes, key: str, value) -> None:
+    v = attributes.add(key=key).value
+    if isinstance(value, str):
+        v.string_value = value
+    elif isinstance(value, bool):
+        v.bool_value = value
+    elif isinstance(value, int):
+        v.int_value = value
+    elif isinstance(value, float):
+        v.double_value = value
+    else:
+        v.array_value.values.extend([type(v)(int_value=x) for x in value])
+
+
+def plain_template(n: int, rng: random.Random) -> bytes:
+    """``n`` spans of a router/engine service that carry no kvmiss input, serialized once."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    for key, val in (("service.name", "llm-gateway"), ("service.instance.id", "gw-7f9c"),
+                     ("host.name", "gpu-node-12"), ("deployment.environment", "prod")):
+        attr(rs.resource.attributes, key, val)
+    ss = rs.scope_spans.add()
+    ss.scope.name = "gateway"
+    t0 = time.time_ns()
+    for i in range(n):
+        span = ss.spans.add(trace_id=rng.randbytes(16), span_id=rng.randbytes(8), parent_span_id=rng.randbytes(8),
+                            name="http.request", kind=2, start_time_unix_nano=t0 + i * 1000,
+                            end_time_unix_nano=t0 + i * 1000 + 850_000_000)
+        for key, val in (("http.request.method", "POST"), ("http.route", "/v1/chat/completions"),
+                         ("http.response.status_code", 200), ("url.scheme", "https"),
+                         ("server.address", "gateway.internal"), ("server.port", 443),
+                         ("network.protocol.version", "1.1"), ("user_agent.original", "openai-python/1.54"),
+                         ("gen_ai.request.model", "meta-llama/Llama-3.1-8B-Instruct"),
+                         ("gen_ai.system", "vllm"), ("app.tenant_tier", "standard"),
+                         ("app.latency_ms", rng.random() * 900)):
+            attr(span.attributes, key, val)
+    return request.SerializeToString()
+
+
+class Truth:
+    """What the fleet published, step by step (fed from the fleet's queue on a thread)."""
+
+    def __init__(self, workers: int, resident_steps: int, keep_steps: int):
+        self.workers, self.keep = workers, resident_steps
+        self.steps: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.max_steps = keep_steps
+        self.latest = -1
+
+    def add(self, info) -> None:
+        k, s, e, chains = info
+        with self.lock:
+            self.steps[k] = (s, e, chains)
+            self.latest = k
+            while len(self.steps) > self.max_steps:
+                self.steps.popitem(last=False)
+
+    def pick(self, rng: random.Random, lookback: tuple[int, int], evicted_within: int):
+        """(lookup t, chosen worker, first-miss hash, cached tokens, expected label) or None."""
+        label = rng.choices([l for l, _ in LABEL_MIX], [w for _, w in LABEL_MIX])[0]
+        with self.lock:
+            lo, hi = self.latest - lookback[1], self.latest - lookback[0]
+            k = rng.randint(lo, hi)
+            if k not in self.steps or k + 1 not in self.steps:
+                return None
+            t = (self.steps[k][1] + self.steps[k + 1][0]) / 2  # between steps k and k+1
+            w = rng.randrange(self.workers)
+            # The step containing t is k+1: its removal (the chain of step k+1-R) came before t.
+            if label in ("resident_miss", "routing_miss", "hit"):
+                j = rng.randint(k + 2 - self.keep, k)  # resident through step k+1 on its worker
+                owner = w if label != "routing_miss" else (w + rng.randrange(1, self.workers)) % self.workers
+            elif label == "evicted":
+                j = rng.randint(k + 1 - self.keep - evicted_within, k + 1 - self.keep)
+                owner = w
+            else:
+                j, owner = None, None
+            if j is not None:
+                if j not in self.steps:
+                    return None
+                h = rng.choice(self.steps[j][2][owner])
+            else:
+                h = rng.getrandbits(63)  # never published (2^-63 odds otherwise)
+        cached = 3 * BLOCK if label == "hit" else BLOCK
+        return t, w, h, cached, label
+
+
+def router_request(batch_id: int, n: int, truth: Truth, rng: random.Random, args) -> tuple[bytes, int]:
+    """A ResourceSpans of ``n`` router spans (with the batch id) serialized as a request."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    attr(rs.resource.attributes, "service.name", "router")
+    attr(rs.resource.attributes, "soak.batch", batch_id)
+    ss = rs.scope_spans.add()
+    ss.scope.name = "router"
+    now = time.time_ns()
+    made = 0
+    for i in range(n):
+        pick = None
+        for _ in range(5):
+            pick = truth.pick(rng, (args.lookback_steps, args.lookback_steps + 100), args.evicted_within_steps)
+            if pick is not None:
+                break
+        t, w, h, cached, label = pick if pick is not None else (time.time() - 1, 0, rng.getrandbits(63), 3 * BLOCK, "hit")
+        span = ss.spans.add(trace_id=rng.randbytes(16), span_id=rng.randbytes(8), name="route", kind=1,
+                            start_time_unix_nano=now, end_time_unix_nano=now + 2_000_000)
+        for key, val in (("gen_ai.request.id", f"soak-{batch_id}-{i}"), ("kvmiss.route.worker", f"w{w}"),
+                         ("kvmiss.route.policy", "prefix"), ("gen_ai.usage.input_tokens", 3 * BLOCK + 1),
+                         ("gen_ai.usage.cache_read.input_tokens", cached),
+                         ("kvmiss.block_hashes", [7, h, 9]),
+                         ("kvmiss.lookup_time_unix_nano", int(t * 1e9)), ("soak.expect", label)):
+            attr(span.attributes, key, val)
+        made += 1
+    return request.SerializeToString(), made
+
+
+class Generator:
+    def __init__(self, args, truth: Truth, port: int, template_gz: bytes, template_spans: int):
+        self.args, self.truth, self.port = args, truth, port
+        self.template_gz, self.template_spans = template_gz, template_spans
+        self.rng = random.Random(args.seed + 1)
+        self.sent: dict[int, int] = {}  # batch id -> spans, once accepted
+        self.attempt_start: dict[int, float] = {}  # batch id -> start of the accepted POST
+        self.first_start: dict[int, float] = {}
+        self.refused_spans = 0
+        self.refusals = 0
+        self.errors = 0
+        self.behind = 0  # batches that left later than their slot (open loop could not keep up)
+        self.in_flight = 0
+
+    def body(self, batch_id: int) -> tuple[bytes, int]:
+        raw, routers = router_request(batch_id, self.args.batch // self.args.router_every, self.truth, self.rng, self.args)
+        return self.template_gz + zlib.compress(raw, 1, 31), self.template_spans + routers
+
+    async def run(self, seconds: float, first_id: int = 0) -> None:
+        import aiohttp
+
+        interval = self.args.batch / self.args.rate
+        gate = asyncio.Semaphore(self.args.concurrency)
+        headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
+        url = f"http://127.0.0.1:{self.port}/v1/traces"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.args.concurrency),
+                                         timeout=aiohttp.ClientTimeout(total=60)) as session:
+            tasks = set()
+            start = time.monotonic()
+            i = 0
+            while time.monotonic() - start < seconds:
+                slot = start + i * interval
+                delay = slot - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await gate.acquire()
+                if time.monotonic() - slot > interval:
+                    self.behind += 1
+                batch_id = first_id + i
+                body, n = self.body(batch_id)
+                task = asyncio.ensure_future(self._post(session, url, headers, batch_id, body, n, gate))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                i += 1
+            if tasks:
+                await asyncio.wait(tasks, timeout=120)
+
+    async def _post(self, session, url, headers, batch_id, body, n, gate) -> None:
+        import aiohttp
+
+        try:
+            self.first_start[batch_id] = time.time()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                began = time.time()
+                try:
+                    async with session.post(url, data=body, headers=headers) as response:
+                        await response.read()
+                        status, retry_after = response.status, response.headers.get("Retry-After")
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    self.errors += 1
+                    await asyncio.sleep(1.0)
+                    continue
+                if status == 200:
+                    self.sent[batch_id] = n
+                    self.attempt_start[batch_id] = began
+                    return
+                if status == 503:
+                    self.refusals += 1
+                    self.refused_spans += n
+                    await asyncio.sleep(float(retry_after or 1))
+                    continue
+                self.errors += 1
+                return  # a permanent error: not acknowledged, not counted as sent
+        finally:
+            gate.release()
+
+
+def post_direct(port: int, body: bytes) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/traces", data=body, method="POST",
+                                     headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+        return response.status
+
+
+def scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = collections.Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())) + "}"
+                                 if sample.labels else "")
+            out[key] += sample.value
+    return dict(out)
+
+
+def metric_sum(metrics: dict, prefix: str) -> float:
+    return sum(v for k, v in metrics.items() if k == prefix or k.startswith(prefix + "{"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--rate", type=float, default=15_000, help="target spans/s")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--router-every", type=int, default=16, help="1 router span per this many spans")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--step-hz", type=float, default=50)
+    parser.add_argument("--blocks-per-step", type=int, default=16)
+    parser.add_argument("--resident-steps", type=int, default=200)
+    parser.add_argument("--evicted-within-steps", type=int, default=200)
+    parser.add_argument("--lookback-steps", type=int, default=15, help="lookups at least this many steps old")
+    parser.add_argument("--retention-s", type=float, default=30.0)
+    parser.add_argument("--warmup-s", type=float, default=60.0, help="RSS is judged after this")
+    parser.add_argument("--sample-s", type=float, default=5.0)
+    parser.add_argument("--rss-slope-limit", type=float, default=5.0,
+                        help="MB/min: RSS growth after warm-up beyond this fails the run")
+    parser.add_argument("--baseline-batches", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json", help="write every sample and count here")
+    args = parser.parse_args()
+    seconds = args.minutes * 60
+    started = datetime.datetime.now().astimezone()
+    ctx = multiprocessing.get_context("spawn")
+    workdir = Path(tempfile.mkdtemp(prefix="kvmiss-soak-"))
+    log_path = workdir / "kvmiss.log"
+    procs: list = []
+    kvmiss = None
+    print(f"kvmiss soak: {' '.join(sys.argv)}", flush=True)
+    print(f"started {started.isoformat(timespec='seconds')} on {platform.node()}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    try:
+        sink_conn, child = ctx.Pipe()
+        sink = ctx.Process(target=sink_main, args=(child,), daemon=True)
+        sink.start()
+        procs.append(sink)
+        sink_port = sink_conn.recv()
+
+        fleet_conn, child = ctx.Pipe()
+        info_q = ctx.Queue()
+        stop_fleet = ctx.Event()
+        fleet_args = {"workers": args.workers, "step_hz": args.step_hz, "blocks_per_step": args.blocks_per_step,
+                      "resident_steps": args.resident_steps, "seed": args.seed,
+                      "fleet_seconds": seconds + 600}  # bounded; stopped right after the load
+        fleet = ctx.Process(target=fleet_main, args=(fleet_args, child, info_q, stop_fleet), daemon=True)
+        fleet.start()
+        procs.append(fleet)
+        endpoints = fleet_conn.recv()
+        truth = Truth(args.workers, args.resident_steps,
+                      keep_steps=args.resident_steps + args.evicted_within_steps + args.lookback_steps + 200)
+        stop_reader = threading.Event()
+
+        def read_steps():
+            while not stop_reader.is_set():
+                try:
+                    truth.add(info_q.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+
+        threading.Thread(target=read_steps, daemon=True).start()
+
+        http_port, metrics_port = free_port(), free_port()
+        workers = "".join(f'[[workers]]\nid = "w{w}"\nendpoint = "{pub}"\nreplay_endpoint = "{rep}"\n'
+                          for w, (pub, rep) in enumerate(endpoints))
+        config = workdir / "kvmiss.toml"
+        config.write_text(f"""
+[otlp]
+grpc = ""
+http = "127.0.0.1:{http_port}"
+[export]
+endpoint = "http://127.0.0.1:{sink_port}"
+[engine]
+block_size = {BLOCK}
+[privacy]
+digest_key = "soak-digest-key-000000001"
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+[history]
+retention_s = {args.retention_s}
+wait_s = 5.0
+assemble_wait_s = 10.0
+{workers}""")
+        log = open(log_path, "w")
+        kvmiss = subprocess.Popen([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=str(workdir))
+        deadline = time.monotonic() + 60
+        while True:  # ready: every worker's stream live
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if kvmiss.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvmiss serve did not become ready; log: " + str(log_path))
+            time.sleep(0.2)
+        while truth.latest < args.resident_steps + args.evicted_within_steps + args.lookback_steps + 110:
+            time.sleep(0.2)  # enough history for every label (bounded by the fleet's own clock)
+            if time.monotonic() > deadline + 60:
+                raise RuntimeError("the fleet is not stepping")
+
+        rng = random.Random(args.seed)
+        n_plain = args.batch - args.batch // args.router_every
+        template_gz = gzip.compress(plain_template(n_plain, rng), 1)
+        gen = Generator(args, truth, http_port, template_gz, n_plain)
+
+        # Baseline: the same bodies straight to the sink, one at a time.
+        direct = []
+        for b in range(args.baseline_batches):
+            body, _ = gen.body(-1 - b)
+            t0 = time.time()
+            post_direct(sink_port, body)
+            direct.append(time.time() - t0)
+
+        samples = []  # (elapsed s, RSS MB, kvmiss CPU s, metrics, spans at the sink)
+        stop_sampler = threading.Event()
+        t_start = time.time()
+        sink_lock = threading.Lock()
+
+        def sink_totals() -> dict:
+            with sink_lock:
+                sink_conn.send("totals")
+                return sink_conn.recv()
+
+        def sample():
+            while True:
+                try:
+                    samples.append((time.time() - t_start, rss_mb(kvmiss.pid), process_cpu_s(kvmiss.pid),
+                                    scrape(metrics_port), sink_totals()["spans"]))
+                except OSError:
+                    pass
+                if stop_sampler.wait(args.sample_s):
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        cpu0 = process_cpu_s(kvmiss.pid)
+        asyncio.run(gen.run(seconds))
+        load_s = time.time() - t_start
+        acked = sum(gen.sent.values())
+        drain_deadline = time.monotonic() + 60
+        while time.monotonic() < drain_deadline:  # kvmiss still holds what it judges/exports
+            received = sink_totals()["spans"]
+            if received >= acked + args.baseline_batches * args.batch:
+                break
+            time.sleep(0.2)
+        stop_sampler.set()
+        sampler.join(15)
+        cpu_s = process_cpu_s(kvmiss.pid) - cpu0
+        final = scrape(metrics_port)
+        stop_fleet.set()
+        fleet_stats = fleet_conn.recv()
+        stop_reader.set()
+        kvmiss.send_signal(signal.SIGTERM)
+        exit_code = kvmiss.wait(60)
+        sink_conn.send("dump")
+        dump = sink_conn.recv()
+        sink_conn.send("stop")
+    finally:
+        if kvmiss is not None and kvmiss.poll() is None:
+            kvmiss.kill()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+    # --- the report ---------------------------------------------------------------------------
+    batches = dump["batches"]
+    via = {b: v for b, v in batches.items() if b >= 0}
+    lost = [b for b in gen.sent if b not in via]
+    short = [b for b, n in gen.sent.items() if b in via and via[b][1] != n * via[b][2]]
+    duplicated = [b for b, v in via.items() if v[2] > 1]
+    unexpected = [b for b in via if b not in gen.sent]
+    delivered = sum(v[1] for v in via.values())
+    latency = [(via[b][0] - gen.attempt_start[b]) for b in gen.sent if b in via]
+    warm = [(via[b][0] - gen.attempt_start[b]) for b in gen.sent
+            if b in via and gen.attempt_start[b] - t_start >= args.warmup_s]
+    rss = [(round(t, 1), round(r, 1)) for t, r, _, _, _ in samples]
+    baseline_spans = args.baseline_batches * args.batch
+    # spans kvmiss had acknowledged and the sink not yet received, at each sample
+    backlog = [(round(t, 1), int(m.get("kvmiss_spans_received_total", 0) - (at_sink - baseline_spans)))
+               for t, _, _, m, at_sink in samples]
+    after = [(t, r) for t, r in rss if t >= args.warmup_s]
+    slope = float("nan")
+    if len(after) >= 3:
+        mt = sum(t for t, _ in after) / len(after)
+        mr = sum(r for _, r in after) / len(after)
+        slope = sum((t - mt) * (r - mr) for t, r in after) / sum((t - mt) ** 2 for t, _ in after) * 60
+    judged_rss = len(after) >= 3 and after[-1][0] - after[0][0] >= 60  # a slope needs a minute
+    rss_flat = not judged_rss or abs(slope) <= args.rss_slope_limit
+    outcomes = collections.Counter()
+    for (expected, got, history), n in dump["outcomes"].items():
+        outcomes["exact" if got == expected else "unknown" if got in UNKNOWN else "wrong"] += n
+    judged = sum(outcomes.values())
+    waits = {k: v for k, v in final.items() if k.startswith("kvmiss_history_wait_seconds_bucket")}
+    waited = final.get("kvmiss_history_wait_seconds_count", 0) - waits.get("kvmiss_history_wait_seconds_bucket{le=0.0}", 0)
+    applied = metric_sum(final, "kvmiss_stream_batches_applied_total")
+
+    print(f"config: {args.workers} workers x {args.step_hz:g} steps/s x {args.blocks_per_step} blocks stored "
+          f"(+ as many removed after {args.resident_steps} steps); retention_s {args.retention_s:g}; "
+          f"{args.batch}-span batches, 1 router span in {args.router_every}; target {args.rate:,.0f} spans/s, "
+          f"{args.concurrency} in flight")
+    print(f"load: {load_s:.0f} s; sent (acknowledged) {acked:,} spans in {len(gen.sent):,} batches = "
+          f"{acked / load_s:,.0f} spans/s; 503s {gen.refusals} ({gen.refused_spans:,} spans, retried), "
+          f"errors {gen.errors}, batches behind schedule {gen.behind}")
+    print(f"sink: received {delivered:,} spans in {len(via):,} batches; lost batches {len(lost)}, short "
+          f"{len(short)}, duplicated {len(duplicated)}, unexpected {len(unexpected)} -> "
+          f"{'spans in = spans out' if not (lost or short or duplicated or unexpected) and delivered == acked else 'MISMATCH'}")
+    print(f"fleet: {fleet_stats['block_events'] / fleet_stats['seconds']:,.0f} block events/s, "
+          f"{fleet_stats['batches'] / fleet_stats['seconds']:,.0f} batches/s published "
+          f"({fleet_stats['overruns']} late steps); kvmiss applied {applied:,.0f} batches "
+          f"({applied / fleet_stats['seconds']:,.0f}/s)")
+    print(f"latency POST -> sink via kvmiss: p50 {percentile(latency, 50) * 1e3:.1f} ms, p99 "
+          f"{percentile(latency, 99) * 1e3:.1f} ms, max {max(latency) * 1e3:.0f} ms (after warm-up: p50 "
+          f"{percentile(warm, 50) * 1e3:.1f}, p99 {percentile(warm, 99) * 1e3:.1f} ms)")
+    print(f"latency POST -> sink direct (baseline, paced): p50 {percentile(direct, 50) * 1e3:.1f} ms, p99 "
+          f"{percentile(direct, 99) * 1e3:.1f} ms; added p50 {(percentile(latency, 50) - percentile(direct, 50)) * 1e3:.1f} ms")
+    print(f"history waits: {final.get('kvmiss_history_wait_seconds_count', 0):,.0f} requests judged, "
+          f"{waited:,.0f} waited at all (lookups are >= {args.lookback_steps} steps old by design)")
+    print(f"kvmiss CPU: {cpu_s:.1f} s = {cpu_s / max(1, acked) * 1e6:.1f} us/span")
+    print(f"kvmiss RSS MB (t s, MB): {rss}")
+    print(f"spans held in kvmiss (t s, spans): {backlog}")
+    if after:
+        print(f"RSS after warm-up ({args.warmup_s:g} s): min {min(r for _, r in after):.1f}, max "
+              f"{max(r for _, r in after):.1f} MB, slope {slope:+.2f} MB/min "
+              f"({'too short to judge' if not judged_rss else 'flat' if rss_flat else 'GROWING'}: "
+              f"limit {args.rss_slope_limit:g} over >= 60 s)")
+    print(f"verdicts on {judged:,} router spans: exact {outcomes['exact']:,}, honest unknown "
+          f"{outcomes['unknown']:,}, WRONG {outcomes['wrong']:,}")
+    detail = collections.Counter()
+    for (expected, got, history), n in dump["outcomes"].items():
+        detail[f"{expected} -> {got}{' (' + history + ')' if history else ''}"] += n
+    for key, n in sorted(detail.items()):
+        print(f"  {key}: {n:,}")
+    minutes = sorted({m for m, _ in dump["by_minute"]})
+    for m in minutes:
+        row = {v: dump["by_minute"].get((m, v), 0) for v in ("exact", "unknown", "wrong")}
+        total = sum(row.values()) or 1
+        print(f"  minute {m}: exact {row['exact']:,}, unknown {row['unknown']:,} ({row['unknown'] / total:.1%}), "
+              f"wrong {row['wrong']}")
+    if dump["wrong_examples"]:
+        print("wrong examples:", dump["wrong_examples"][:5])
+    print(f"kvmiss: spans received {final.get('kvmiss_spans_received_total', 0):,.0f}, exported "
+          f"{final.get('kvmiss_spans_exported_total', 0):,.0f}, refused {final.get('kvmiss_spans_refused_total', 0):,.0f}; "
+          f"stream gaps {metric_sum(final, 'kvmiss_stream_gaps_total'):,.0f}, quarantined "
+          f"{metric_sum(final, 'kvmiss_stream_quarantined'):,.0f}; exit code {exit_code} after SIGTERM")
+    ok = (not (lost or short or duplicated or unexpected) and delivered == acked and outcomes["wrong"] == 0
+          and exit_code == 0 and rss_flat)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "argv": sys.argv, "started": started.isoformat(), "rss": rss, "latency_ms": {
+                "p50": percentile(latency, 50) * 1e3, "p99": percentile(latency, 99) * 1e3},
+            "outcomes": {k: v for k, v in detail.items()}, "fleet": fleet_stats,
+            "backlog": backlog, "samples": samples}, indent=1, default=str))
+    print("RESULT:", "PASS" if ok else "FAIL", f"(kvmiss log: {log_path})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
