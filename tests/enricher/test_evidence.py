@@ -285,3 +285,19 @@ class TestSameStepCopies:
         index, a = ResidencyIndex(), WorkerFeed("A")
         feed(index, a.batches(range(0, 6), {1: [stored(H)], 4: [stored(H)]}))
         assert gather(index, request("A", a.ts(4) - 0.5)).presence is Presence.RESIDENT
+
+
+def test_the_pruned_filter_stays_accurate_however_many_records_are_dropped():
+    import random
+
+    from kvmiss.enricher.index import PrunedFilter
+
+    rng = random.Random(5)
+    pruned, dropped = PrunedFilter(), [rng.getrandbits(64) for _ in range(300_000)]
+    for h in dropped:
+        pruned.add(h)
+    assert all(h in pruned for h in dropped[::97])  # no false negatives
+    others = [rng.getrandbits(64) for _ in range(20_000)]
+    false_positives = sum(h in pruned for h in others) / len(others)
+    assert false_positives < 0.01
+    assert pruned.bytes_used < 4 * len(dropped)  # a few bytes per dropped record

@@ -76,9 +76,10 @@ def test_a_record_pruned_on_the_chosen_worker_is_still_an_honest_unknown():
     assert attributor.attribute(facts("w0", 60.5, H)).label is Label.UNKNOWN_HISTORY
 
 
-def test_the_pruned_filter_saturates_within_minutes_of_a_busy_engine():
-    """What makes the chosen-worker case matter: at 800 evictions/s (a busy engine) the
-    2^20-bit filter holds 200k blocks after ~4 min of pruning and 400k after ~8 min."""
+def test_the_pruned_filter_stays_accurate_at_a_busy_engines_eviction_rate():
+    """At 800 evictions/s (a busy engine) retention drops 200k blocks in ~4 min and 400k in
+    ~8 min; a fixed 2^20-bit filter answered "maybe" for 5 % and then 25 % of blocks never
+    dropped (turning no_match into aged-out unknowns). The scalable filter stays below 1 %."""
     rng = random.Random(1)
     pruned = PrunedFilter()
     rates = {}
@@ -88,4 +89,4 @@ def test_the_pruned_filter_saturates_within_minutes_of_a_busy_engine():
             pruned.add(rng.getrandbits(64))
             added += 1
         rates[n] = sum(rng.getrandbits(64) in pruned for _ in range(5000)) / 5000
-    assert rates[100_000] < 0.05 and rates[200_000] > 0.04 and rates[400_000] > 0.2, rates
+    assert all(rate < 0.01 for rate in rates.values()), rates
