@@ -58,9 +58,11 @@ class KvmissCollector(Collector):
         *,
         unknown_budget: float = 0.05,
         exemplars: dict[tuple[Label, str, str], str] | None = None,
+        exports: Callable[[], list] = list,
     ):
         self.stats = stats
         self.streams = streams
+        self.exports = exports  # the service's ExportQueues
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
         self.waits = WaitHistogram()
@@ -72,6 +74,27 @@ class KvmissCollector(Collector):
         yield from self._verdicts()
         yield from self._streams()
         yield from self._spans()
+        yield from self._exports()
+
+    def _exports(self) -> Iterator[Metric]:
+        """What happened to spans after the pipeline: a downstream outage that outlasts the
+        retries must show up here, not only in a log."""
+        e = ["exporter"]
+        sent = CounterMetricFamily("kvmiss_export_spans_sent", "Spans delivered downstream.", labels=e)
+        failed = CounterMetricFamily("kvmiss_export_spans_failed", "Spans given up on, by reason.", labels=["exporter", "reason"])
+        dropped = CounterMetricFamily("kvmiss_export_spans_dropped", "Spans refused by a full or closed queue, by reason.", labels=["exporter", "reason"])
+        retries = CounterMetricFamily("kvmiss_export_retries", "Export attempts after the first.", labels=e)
+        queued = GaugeMetricFamily("kvmiss_export_queue_spans", "Spans waiting in the export queue.", labels=e)
+        for queue in self.exports():
+            name = type(queue.exporter).__name__.removesuffix("Exporter").lower() or "exporter"
+            sent.add_metric([name], queue.sent_spans)
+            for reason, n in sorted(queue.failed_spans.items()):
+                failed.add_metric([name, reason], n)
+            for reason, n in sorted(queue.dropped_spans.items()):
+                dropped.add_metric([name, reason], n)
+            retries.add_metric([name], queue.retries)
+            queued.add_metric([name], queue.queued_spans)
+        yield from (sent, failed, dropped, retries, queued)
 
     def _policy(self, policy: str, seen: list[str]) -> str:
         if policy in seen or len(seen) < MAX_ROUTE_POLICIES:

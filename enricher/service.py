@@ -97,7 +97,8 @@ class Service:
         self.registry = CollectorRegistry()
         self.registry.register(KvmissCollector(
             self.pipeline.stats, lambda: self.fleet.streams,
-            unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars))
+            unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
+            exports=lambda: self.queues))
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
         self._ticker: asyncio.Task | None = None

@@ -163,6 +163,7 @@ def test_labels_arrive_downstream_on_the_routers_spans(fleet, sink):
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics").read().decode()
         assert 'kvmiss_requests_total{label="evicted",owner="platform",route_policy="prefix",worker="w0"} 1.0' in metrics
         assert "kvmiss_stream_batches_applied_total" in metrics
+        assert 'kvmiss_export_spans_sent_total{exporter="http"}' in metrics
         for forbidden in (str(H), "evicted\",trace", "service-test-secret"):
             assert forbidden not in metrics
         ready = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/readyz")
