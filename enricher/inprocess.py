@@ -58,13 +58,14 @@ from typing import Any, Callable, Mapping, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from kvmiss.collectors.continuity import Apply, StreamAction, TailConfirmed
+from kvmiss.collectors.continuity import StreamAction
 from kvmiss.enricher.assembly import (Assembly, Fragment, MissingFacts, incomplete_verdict, join_target,
                                      to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.privacy import DigestKey
+from kvmiss.enricher.handoff import IndexFeed
 from kvmiss.enricher.spans import SpanReader, verdict_attributes
 from kvmiss.schemas.attribution import RequestFacts, Verdict
 
@@ -73,7 +74,6 @@ log = logging.getLogger("kvmiss.inprocess")
 # Applied batches queued for the index before the collector thread applies them itself
 # (taking the lock): bounds the queue when no span is exported for a long while.
 MAX_UNDRAINED_BATCHES = 10_000
-PRUNE_EVERY_S = 5.0  # wall-clock seconds between retention prunes of the index
 
 
 class EnrichingSpanExporter(SpanExporter):
@@ -112,8 +112,7 @@ class EnrichingSpanExporter(SpanExporter):
         self.clock = clock
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._applied: collections.deque[Apply | tuple[str, TailConfirmed]] = collections.deque()
-        self._last_prune = clock()
+        self.feed = IndexFeed(index, clock)
         self._logged_error = False
         self._shutdown = False
 
@@ -122,33 +121,12 @@ class EnrichingSpanExporter(SpanExporter):
     def on_stream_action(self, worker: str, action: StreamAction) -> None:
         """A `Fleet` sink (collector thread): queue applied batches and tail confirmations
         for the index, in order, as `kvmiss serve` does; log other stream facts."""
-        if isinstance(action, Apply):
-            self._applied.append(action)
-        elif isinstance(action, TailConfirmed):  # repeats while a worker idles: not logged
-            self._applied.append((worker, action))
-        else:
+        if not self.feed.put(worker, action):
             log.info("worker %s: %s", worker, type(action).__name__)
             return
-        if len(self._applied) > MAX_UNDRAINED_BATCHES:
+        if len(self.feed) > MAX_UNDRAINED_BATCHES:
             with self._lock:
-                self._drain_applied()
-
-    def _drain_applied(self) -> None:
-        """Apply queued batches and tail confirmations, prune now and then. Caller holds the lock."""
-        applied, index = self._applied, self.index
-        while applied:
-            item = applied.popleft()
-            if isinstance(item, Apply):
-                index.apply(item.batch)
-            else:
-                worker, tail = item
-                index.confirm_tail(worker, tail.epoch, tail.seq, tail.at)
-        now = self.clock()
-        if now - self._last_prune >= PRUNE_EVERY_S:
-            self._last_prune = now
-            newest = max((v.applied_through_ts or 0.0 for v in self.index.current.values()), default=0.0)
-            if newest:
-                self.index.prune(newest)
+                self.feed.drain()
 
     # --- SpanExporter ------------------------------------------------------------------------
 
@@ -159,7 +137,7 @@ class EnrichingSpanExporter(SpanExporter):
         self.stats["spans_in"] += len(spans)
         try:
             with self._lock:
-                self._drain_applied()
+                self.feed.drain()
                 out = self._enriched(spans)
         except Exception:  # never into the SDK: pass on unenriched
             self._log_error("kvmiss enrichment failed; %d spans passed on unenriched", len(spans))
@@ -180,7 +158,7 @@ class EnrichingSpanExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         with self._lock:
-            self._drain_applied()
+            self.feed.drain()
         return self.exporter.force_flush(timeout_millis)
 
     def shutdown(self) -> None:

@@ -11,7 +11,6 @@ no lock.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import secrets
 import time
@@ -23,10 +22,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import exposition as prom_text
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from kvmiss.collectors.continuity import Apply, StreamAction, StreamConfig, TailConfirmed
+from kvmiss.collectors.continuity import StreamAction, StreamConfig
 from kvmiss.collectors.fleet import Fleet
 from kvmiss.collectors.subscriber import Subscriber
 from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.handoff import IndexFeed
 from kvmiss.enricher.exporter import ExportQueue, build_exporters
 from kvmiss.enricher.hashing import BlockHasher, HashingError
 from kvmiss.enricher.index import ResidencyIndex
@@ -42,7 +42,6 @@ from kvmiss.schemas.config import Config
 log = logging.getLogger("kvmiss.serve")
 
 TICK_S = 0.02  # how often applied batches are drained and pending requests judged
-PRUNE_EVERY_S = 5.0
 
 
 class FanOut:
@@ -79,7 +78,7 @@ class Service:
         self.attributor = Attributor(self.index, self.digest_key,
                                      aged_out_as_recent_match=config.history.aged_out_as_recent_match)
         # Filled on the collector thread, drained in order on the loop (the index's thread).
-        self._applied: collections.deque[Apply | tuple[str, TailConfirmed]] = collections.deque()
+        self.feed = IndexFeed(self.index, clock)
         self.fleet = Fleet(config.workers, self._on_stream_action,
                            config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None))
         self.subscriber = Subscriber(self.fleet, clock=clock)
@@ -103,7 +102,6 @@ class Service:
         self.metrics_port: int | None = None
         self._ticker: asyncio.Task | None = None
         self._stopping = False
-        self._last_prune = 0.0
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -125,13 +123,9 @@ class Service:
             return None
 
     def _on_stream_action(self, worker: str, action: StreamAction) -> None:
-        """Collector thread: hand applied batches and tail confirmations to the loop (their
-        ``at`` is this service's clock, the subscriber's); log other stream facts once each."""
-        if isinstance(action, Apply):
-            self._applied.append(action)
-        elif isinstance(action, TailConfirmed):  # repeats while a worker idles: not logged
-            self._applied.append((worker, action))
-        else:
+        """Collector thread: batches and tail confirmations go to the loop (their ``at`` is
+        this service's clock, the subscriber's); other stream facts are logged once each."""
+        if not self.feed.put(worker, action):
             log.info("worker %s: %s", worker, _describe(action))
 
     def _on_verdict(self, facts: RequestFacts, verdict: Verdict, trace_id: bytes) -> None:
@@ -160,7 +154,7 @@ class Service:
         await self.receivers.shutdown(grace=min(5.0, timeout))
         if self._ticker is not None:
             self._ticker.cancel()
-        self._drain_applied()
+        self.feed.drain()
         self.pipeline.poll(final=True)
         for queue in self.queues:
             await queue.shutdown(timeout)
@@ -170,32 +164,16 @@ class Service:
 
     async def _tick_forever(self) -> None:
         while True:
-            self._drain_applied()
-            now = self.clock()
-            self.pipeline.poll(now)
-            if now - self._last_prune >= PRUNE_EVERY_S:
-                self._last_prune = now
-                newest = max((v.applied_through_ts or 0.0 for v in self.index.current.values()), default=0.0)
-                if newest:
-                    self.index.prune(newest)
+            self.feed.drain()
+            self.pipeline.poll(self.clock())
             await asyncio.sleep(TICK_S)
 
     async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
         """The receivers' consumer: the pipeline, which judges on arrival, after the index has
         taken every batch the collector handed over, so a request whose history is here does
         not wait for the next tick."""
-        self._drain_applied()
+        self.feed.drain()
         return await self.pipeline.consume(request)
-
-    def _drain_applied(self) -> None:
-        applied, index = self._applied, self.index
-        while applied:
-            item = applied.popleft()
-            if isinstance(item, Apply):
-                index.apply(item.batch)
-            else:
-                worker, tail = item
-                index.confirm_tail(worker, tail.epoch, tail.seq, tail.at)
 
     # --- health and metrics ---------------------------------------------------------------
 

@@ -229,7 +229,7 @@ def test_the_service_applies_tail_confirmations_in_order_with_the_batches(tmp_pa
     service._on_stream_action("A", TailConfirmed(0, 0, at=1003.0))  # seq 0 was the tail then
     service._on_stream_action("A", Apply(a.batch(1)))
     service._on_stream_action("A", TailConfirmed(0, 1, at=1005.0))
-    service._drain_applied()
+    service.feed.drain()
     view = service.index.current["A"]
     assert view.tail == (1, 1005.0) and service.index.reaches(view, 1004.0)
 
