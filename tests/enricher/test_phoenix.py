@@ -28,8 +28,8 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from sglang_publisher import batch, close, publisher
-from zmq_ports import free_port, free_tcp
+from sglang_publisher import batch
+from zmq_ports import free_port
 
 pytestmark = [
     pytest.mark.phoenix,
@@ -110,15 +110,6 @@ def phoenix(tmp_path_factory):
         yield base
     finally:
         server.stop()
-
-
-@pytest.fixture
-def fleet():
-    eps = {w: (free_tcp(), free_tcp()) for w in ("w0", "w1")}
-    pubs = {w: publisher(endpoint=ep, replay_endpoint=rep, topic=f"kv@{w}@m") for w, (ep, rep) in eps.items()}
-    yield eps, pubs
-    for pub in pubs.values():
-        close(pub)
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otlp_sink import OtlpSink, attributes
-from sglang_publisher import batch, close, publisher
-from zmq_ports import free_tcp
+from sglang_publisher import batch
+
 
 from kvmiss.enricher.service import Service
 from kvmiss.schemas.config import parse_config
@@ -59,15 +59,6 @@ class RunningService:
         if self._loop and self._stop:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(15)
-
-
-@pytest.fixture
-def fleet():
-    eps = {w: (free_tcp(), free_tcp()) for w in ("w0", "w1")}
-    pubs = {w: publisher(endpoint=ep, replay_endpoint=rep, topic=f"kv@{w}@m") for w, (ep, rep) in eps.items()}
-    yield eps, pubs
-    for pub in pubs.values():
-        close(pub)
 
 
 @pytest.fixture
