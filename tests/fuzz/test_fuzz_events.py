@@ -167,7 +167,7 @@ def valid_batch(draw, hashes: st.SearchStrategy = any_hash):
     return msgspec.msgpack.encode(wire), events, ts, rank
 
 
-@fuzz_settings(150)
+@fuzz_settings(50)
 @given(valid_batch())
 def test_valid_batches_of_every_wire_form_decode_to_what_was_sent(case):
     payload, events, ts, rank = case
@@ -179,7 +179,7 @@ def test_valid_batches_of_every_wire_form_decode_to_what_was_sent(case):
     assert_fixed_point(batch)
 
 
-@fuzz_settings(60)
+@fuzz_settings(20)
 @given(valid_batch(int_hashes))
 def test_the_fast_path_and_the_slow_path_agree(case):
     """Canonical uint64 hashes take the strict decoder; one negative hash sends the whole
@@ -196,7 +196,7 @@ def test_the_fast_path_and_the_slow_path_agree(case):
 # --- mutations of real captures and of generated batches ---------------------------------
 
 
-@fuzz_settings(200)
+@fuzz_settings(70)
 @given(st.data())
 def test_mutated_capture_bytes_decode_or_raise_wire_error(data):
     pool = captured_payloads()
@@ -207,7 +207,7 @@ def test_mutated_capture_bytes_decode_or_raise_wire_error(data):
         assert_fixed_point(batch)
 
 
-@fuzz_settings(200)
+@fuzz_settings(70)
 @given(st.data())
 def test_structurally_mutated_captures_decode_or_raise_wire_error(data):
     """Wrong types, missing and extra fields, huge ints, ext types and deep nesting in any
@@ -220,7 +220,7 @@ def test_structurally_mutated_captures_decode_or_raise_wire_error(data):
         assert_fixed_point(batch)
 
 
-@fuzz_settings(100)
+@fuzz_settings(35)
 @given(st.data())
 def test_structurally_mutated_generated_batches_decode_or_raise_wire_error(data):
     payload, *_ = data.draw(valid_batch())
@@ -230,7 +230,7 @@ def test_structurally_mutated_generated_batches_decode_or_raise_wire_error(data)
         assert_fixed_point(batch)
 
 
-@fuzz_settings(100)
+@fuzz_settings(35)
 @given(st.binary(max_size=256))
 def test_arbitrary_bytes_decode_or_raise_wire_error(payload):
     checked_decode(payload)

@@ -54,14 +54,14 @@ def check_message(message, frames: list[bytes]) -> None:
         assert message.seq is None or 0 <= message.seq < 2**64
 
 
-@fuzz_settings(300)
+@fuzz_settings(105)
 @given(frame_lists, sockets)
 def test_any_frame_list_parses_to_a_message_or_a_frame_error_value(frames, socket):
     for parse in (parse_live, parse_replay, lambda f: parse_any(f, socket)):
         check_message(parse(list(frames)), frames)
 
 
-@fuzz_settings(150)
+@fuzz_settings(50)
 @given(st.data())
 def test_mutated_captured_messages_parse_to_a_message_or_a_frame_error_value(data):
     frames, socket = data.draw(seeds(captured_messages))
@@ -80,7 +80,7 @@ def test_mutated_captured_messages_parse_to_a_message_or_a_frame_error_value(dat
         check_message(parse_any(frames, kind), frames)
 
 
-@fuzz_settings(100)
+@fuzz_settings(35)
 @given(st.binary(max_size=40), st.integers(0, 2**64 - 2), st.binary(max_size=64), st.booleans())
 def test_well_formed_messages_round_trip(topic, seq, payload, old_replay):
     seq_frame = seq.to_bytes(8, "big")
@@ -116,9 +116,13 @@ def _line(frames, socket) -> dict:
     return out
 
 
+def _json_containers(children: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+
+
 json_garbage = st.recursive(
     scalars.filter(lambda v: not isinstance(v, bytes)).map(lambda v: v if v == v else None),
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    _json_containers,
     max_leaves=8,
 )
 
@@ -146,7 +150,7 @@ def decode_lines(draw) -> bytes:
     return text.replace(b"\n", b" ")
 
 
-@fuzz_settings(120)
+@fuzz_settings(40)
 @given(st.lists(decode_lines(), min_size=1, max_size=4), st.booleans())
 def test_decode_prints_one_json_object_per_input_line_and_never_raises(lines, raw):
     stdin = b"\n".join(lines) + b"\n"

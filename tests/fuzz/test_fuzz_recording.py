@@ -76,7 +76,7 @@ def record(body: bytes) -> bytes:
     return _HEADER.pack(len(body), zlib.crc32(body)) + body
 
 
-@fuzz_settings(60)
+@fuzz_settings(20)
 @given(st.lists(recorded_messages(), max_size=6), st.data())
 def test_what_was_written_reads_back_and_a_truncation_yields_a_prefix(messages, data):
     raw = written(messages)
@@ -92,7 +92,7 @@ def test_what_was_written_reads_back_and_a_truncation_yields_a_prefix(messages, 
     assert stats.torn_tail == (cut not in boundaries)
 
 
-@fuzz_settings(150)
+@fuzz_settings(50)
 @given(st.lists(recorded_messages(), max_size=4), st.data())
 def test_mutated_recordings_yield_intact_records_or_a_header_error(messages, data):
     raw = written(messages)
@@ -100,7 +100,7 @@ def test_mutated_recordings_yield_intact_records_or_a_header_error(messages, dat
     read_all(mutated)
 
 
-@fuzz_settings(100)
+@fuzz_settings(35)
 @given(st.lists(msgpack_garbage, max_size=8), st.lists(recorded_messages(), max_size=2))
 def test_records_with_a_valid_crc_but_any_body_never_escape_as_exceptions(bodies, messages):
     """The CRC only proves a record is whole; its body can still be anything (a recording
@@ -110,7 +110,7 @@ def test_records_with_a_valid_crc_but_any_body_never_escape_as_exceptions(bodies
     assert back is not None and back[: len(messages)] == messages
 
 
-@fuzz_settings(60)
+@fuzz_settings(20)
 @given(recorded_messages(), st.lists(msgpack_garbage, min_size=1, max_size=3))
 def test_records_from_a_newer_writer_with_trailing_fields_never_escape_as_exceptions(message, extra):
     body = msgspec.msgpack.encode([*msgspec.to_builtins(message, builtin_types=(bytes,)), *extra])

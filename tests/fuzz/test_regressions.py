@@ -10,7 +10,9 @@ import asyncio
 import base64
 import io
 import json
+import struct
 import tracemalloc
+import zlib
 
 import msgspec
 import pytest
@@ -106,8 +108,6 @@ def test_a_record_with_a_valid_crc_and_nesting_past_the_limit_ends_the_recording
     first = RecordedMessage(1.0, "w", "sub", [b"a"])
     with RecordingWriter(path) as writer:
         writer.write(first)
-    import struct
-    import zlib
     body = mp([2.0, "w", "sub", [b"b"], None, nested_raw()])
     with open(path, "ab") as f:
         f.write(struct.pack("<II", len(body), zlib.crc32(body)) + body)
@@ -196,13 +196,10 @@ def test_a_count_that_is_not_an_int64_is_a_bad_attribute_not_an_exception(value)
     assert bad == ["gen_ai.usage.prompt_tokens", "kvmiss.lookup_time_unix_nano"]
 
     class Sink:
-        requests: list = []
-
         def has_capacity(self, spans):
             return True
 
         def put(self, request):
-            self.requests.append(request)
             return True
 
     pipe = Pipeline(Attributor(ResidencyIndex(["A"])), Sink(), clock=lambda: 0.0)

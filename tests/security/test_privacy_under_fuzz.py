@@ -20,7 +20,6 @@ import re
 import string
 
 import msgspec
-import pytest
 from fuzz.fuzz_support import all_logs_at_debug, fuzz_settings, mutate_bytes
 from google.protobuf import json_format
 from hypothesis import given
@@ -165,10 +164,14 @@ def extra_keys_attribute(draw, s: Secrets):
     ]))
 
 
+def _garbage_lists(children: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(children.filter(lambda v: v is not None), max_size=3)
+
+
 garbage_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**7, 10**7) | st.sampled_from([2**63 - 1, -2**63])
     | st.floats() | st.text(SAFE + " -.", max_size=12) | st.binary(max_size=8),
-    lambda c: st.lists(c.filter(lambda v: v is not None), max_size=3), max_leaves=5,
+    _garbage_lists, max_leaves=5,
 ).filter(lambda v: v is not None)
 INPUT_KEYS = ["gen_ai.request.id", "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens",
               "gen_ai.usage.cache_read.input_tokens", "kvmiss.block_size", "kvmiss.route.worker",
