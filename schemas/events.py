@@ -223,9 +223,10 @@ def decode_batch(payload: bytes) -> EventBatch:
 def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str, Any]:
     """A JSON-ready dict of one normalised event.
 
-    Token ids (lookahead ones too), cache salts and extra keys are prompt material: by
-    default only their presence and size are shown (``num_tokens``, ``num_lookahead_tokens``,
-    ``has_cache_salt``, ``has_extra_keys``); ``include_raw=True`` adds the values.
+    Token ids (lookahead ones too), cache salts and extra keys are prompt material, and a
+    session id may name a user: by default only their presence and size are shown
+    (``num_tokens``, ``num_lookahead_tokens``, ``has_cache_salt``, ``has_extra_keys``,
+    ``has_session_id``); ``include_raw=True`` adds the values.
     Raw extra keys that JSON cannot show (map keys that are nil, bools or arrays) are
     replaced by ``extra_keys_unprintable: true``; msgpack ext values show as code and hex.
     """
@@ -253,6 +254,9 @@ def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str,
         if event.lookahead_token_ids is not None and not include_raw:  # token ids too
             out["lookahead_token_ids"] = None
             out["num_lookahead_tokens"] = len(event.lookahead_token_ids)
+        if event.session_id is not None and not include_raw:  # may name a user's session
+            out["session_id"] = None
+            out["has_session_id"] = True
         out = {k: v for k, v in out.items() if v is not None}
     if "block_digests" in out:
         out["block_digests"] = [d.hex() for d in event.block_digests]  # type: ignore[union-attr]

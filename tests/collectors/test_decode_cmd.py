@@ -29,7 +29,7 @@ def run_decode(stdin: bytes, *args: str) -> tuple[int, list[dict]]:
 SEQ = (5).to_bytes(8, "big")
 STORED = msgspec.msgpack.encode(
     [9.5, [{"type": "BlockStored", "block_hashes": [-1], "token_ids": [3, 4], "block_size": 2,
-            "cache_salt": "tenant-secret"}], 0]
+            "cache_salt": "tenant-secret", "session_id": "user-session-77"}], 0]
 )
 
 
@@ -47,6 +47,7 @@ def test_a_live_message_prints_kind_topic_seq_ts_rank_and_events():
 def test_prompt_material_is_hidden_unless_raw_is_asked_for():
     _, (hidden,) = run_decode(_line([b"kv@x", SEQ, STORED]))
     assert "tenant-secret" not in json.dumps(hidden) and "token_ids" not in hidden["events"][0]
+    assert "user-session-77" not in json.dumps(hidden) and hidden["events"][0]["has_session_id"]
     _, (shown,) = run_decode(_line([b"kv@x", SEQ, STORED]), "--raw")
     assert shown["events"][0]["token_ids"] == [3, 4]
     assert shown["events"][0]["cache_salt"] == "tenant-secret"
