@@ -75,6 +75,8 @@ class OtlpConfig(_Section):
     http: str | None = "127.0.0.1:4318"  # OTLP/HTTP listen address
     max_body_bytes: int = 20 * 1024 * 1024  # after decompression
     max_pending_spans: int = 200_000  # beyond it: UNAVAILABLE / 503 with a retry delay
+    tls_cert: str | None = None  # PEM certificate chain: with tls_key, both receivers use TLS
+    tls_key: str | None = None  # PEM private key
 
 
 class ExportConfig(_Section):
@@ -82,6 +84,10 @@ class ExportConfig(_Section):
     file: str | None = None  # also write enriched spans as OTLP/JSON lines
     keep_block_hashes: bool = False
     timeout_s: float = 10.0
+    tls_ca: str | None = None  # PEM CA bundle to verify https:// / grpcs:// (default: system)
+    # Append-only record of spans accepted upstream and finished downstream: after a crash,
+    # the difference is reported as lost (kvmiss_spans_lost_on_restart_total) at start-up.
+    journal: str | None = None
 
 
 class EngineConfig(_Section):
@@ -182,6 +188,8 @@ def _check(config: Config, source: str) -> None:
                         ("export.timeout_s", config.export.timeout_s)):
         if not value > 0:
             raise ConfigError(f"{source}: {name} must be positive, got {value}")
+    if bool(config.otlp.tls_cert) != bool(config.otlp.tls_key):
+        raise ConfigError(f"{source}: otlp.tls_cert and otlp.tls_key go together")
     if config.engine.block_size <= 0:
         raise ConfigError(f"{source}: engine.block_size must be positive")
     if config.history.retention_s <= 0 or config.history.wait_s < 0:
