@@ -31,7 +31,7 @@ import logging
 import random
 import time
 import zlib
-from typing import Iterable
+from typing import Callable, Iterable
 
 import aiohttp
 import grpc
@@ -284,6 +284,7 @@ class ExportQueue:
 
     def __init__(self, exporter: TracesExporter, *, max_spans: int = 200_000, initial_backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, max_elapsed_s: float = 300.0) -> None:  # fmt: skip
+        self.on_finished: Callable[[int], None] | None = None  # e.g. the span journal
         self.exporter = exporter
         self.max_spans = max_spans
         self._initial_backoff = initial_backoff_s
@@ -382,6 +383,8 @@ class ExportQueue:
 
     def _finished(self, n: int) -> None:
         self.queued_spans -= n
+        if self.on_finished is not None:
+            self.on_finished(n)
         self._done_seq += 1
         while self._flush_waiters and self._flush_waiters[0][0] <= self._done_seq:
             _, waiter = self._flush_waiters.pop(0)

@@ -184,6 +184,8 @@ class KvmissCollector(Collector):
         exported.add_metric([], s.spans_out)
         refused = CounterMetricFamily("kvmiss_spans_refused", "Spans refused with a retryable error (backpressure).")
         refused.add_metric([], s.spans_refused)
+        lost = CounterMetricFamily("kvmiss_spans_lost_on_restart", "Spans the previous run acknowledged but never exported (a crash), from the export journal.")
+        lost.add_metric([], s.lost_on_restart)
         unenriched = CounterMetricFamily("kvmiss_requests_unenriched", "Requests passed on without a full judgement, by reason.", labels=["reason"])
         for reason, n in sorted(s.unenriched.items()):
             unenriched.add_metric([reason], n)
@@ -194,4 +196,4 @@ class KvmissCollector(Collector):
         waits = HistogramMetricFamily("kvmiss_history_wait_seconds", "How long requests waited for their worker's events.")
         buckets = [(str(b), c) for b, c in zip(WAIT_BUCKETS, self.waits.counts)] + [("+Inf", self.waits.total)]
         waits.add_metric([], buckets, self.waits.sum)
-        yield from (received, exported, refused, unenriched, bad, waits)
+        yield from (received, exported, refused, lost, unenriched, bad, waits)

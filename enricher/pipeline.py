@@ -63,6 +63,7 @@ class PipelineStats:
         self.spans_in = 0
         self.spans_out = 0
         self.spans_refused = 0  # answered RETRYABLE (the sender keeps them)
+        self.lost_on_restart = 0  # acknowledged by the previous run, never exported (journal)
         self.unenriched: collections.Counter[str] = collections.Counter()  # by reason
         self.bad_attributes: collections.Counter[str] = collections.Counter()  # by attribute name
         self.verdicts: collections.Counter[tuple[Label, str, str]] = collections.Counter()

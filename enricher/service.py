@@ -27,13 +27,14 @@ from kvmiss.collectors.fleet import Fleet
 from kvmiss.collectors.subscriber import Subscriber
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.handoff import IndexFeed
+from kvmiss.enricher.journal import SpanJournal
 from kvmiss.enricher.exporter import ExportQueue, build_exporters
 from kvmiss.enricher.hashing import BlockHasher, HashingError
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.privacy import DigestKey, load_digest_key
-from kvmiss.enricher.otlp import ConsumeResult
+from kvmiss.enricher.otlp import ConsumeResult, Outcome, span_count
 from kvmiss.enricher.receiver import Receivers, parse_listen
 from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
@@ -45,23 +46,32 @@ TICK_S = 0.02  # how often applied batches are drained and pending requests judg
 
 
 class FanOut:
-    """The pipeline's export sink over one queue per exporter (network, file)."""
+    """The pipeline's export sink over one queue per exporter (network, file). With a span
+    journal, the first queue's outcomes are what counts as "finished" downstream."""
 
-    def __init__(self, queues: list[ExportQueue]):
+    def __init__(self, queues: list[ExportQueue], journal: SpanJournal | None = None):
         self.queues = queues
+        self.journal = journal
+        if journal is not None and queues:
+            queues[0].on_finished = journal.finished
 
     def has_capacity(self, spans: int) -> bool:
         return all(q.has_capacity(spans) for q in self.queues)
 
     def put(self, request: ExportTraceServiceRequest) -> bool:
         if not self.queues:
+            if self.journal is not None:
+                self.journal.finished(span_count(request))
             return True  # nowhere to send: a dry run
         ok = True
         for queue in self.queues[1:]:
             copy = ExportTraceServiceRequest()
             copy.CopyFrom(request)
             ok &= queue.put(copy)
-        return self.queues[0].put(request) and ok
+        primary = self.queues[0].put(request)
+        if not primary and self.journal is not None:  # refused and counted by the queue
+            self.journal.finished(span_count(request))
+        return primary and ok
 
 
 class Service:
@@ -84,14 +94,17 @@ class Service:
         self.subscriber = Subscriber(self.fleet, clock=clock)
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]
+        self.journal = SpanJournal(config.export.journal) if config.export.journal else None
         self.exemplars: dict[tuple[Label, str, str], str] = {}
         self.pipeline = Pipeline(
-            self.attributor, FanOut(self.queues), reader=SpanReader(config.attributes),
+            self.attributor, FanOut(self.queues, self.journal), reader=SpanReader(config.attributes),
             hasher=self._hasher(), default_block_size=config.engine.block_size,
             assemble_wait_s=config.history.assemble_wait_s, history_wait_s=config.history.wait_s,
             max_pending_spans=config.otlp.max_pending_spans,
             keep_block_hashes=config.export.keep_block_hashes,
             on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True)
+        if self.journal is not None:
+            self.pipeline.stats.lost_on_restart = self.journal.lost_on_restart
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there
         self.registry = CollectorRegistry()
         self.registry.register(KvmissCollector(
@@ -159,6 +172,8 @@ class Service:
         for queue in self.queues:
             await queue.shutdown(timeout)
         self.subscriber.shutdown(timeout)
+        if self.journal is not None:
+            self.journal.close()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
 
@@ -173,7 +188,12 @@ class Service:
         taken every batch the collector handed over, so a request whose history is here does
         not wait for the next tick."""
         self.feed.drain()
-        return await self.pipeline.consume(request)
+        result = await self.pipeline.consume(request)
+        if result.outcome is Outcome.ACCEPTED and self.journal is not None:
+            # Before the answer reaches the sender, and before the spans can leave (they
+            # leave at the earliest on a later tick or this call's release: both after this).
+            self.journal.accepted(span_count(request))
+        return result
 
     # --- health and metrics ---------------------------------------------------------------
 

@@ -94,7 +94,8 @@ def wait_until(condition: Callable[[], object], what: str, timeout: float = WAIT
 def kvmiss_config(*, http_port: int, grpc_port: int, metrics_port: int, sink_port: int,
                   workers: dict[str, tuple[str, str | None]], max_pending_spans: int = 200_000,
                   wait_s: float = 2.0, assemble_wait_s: float = 2.0, retention_s: float = 600.0,
-                  export_timeout_s: float = 5.0, history: dict | None = None) -> str:
+                  export_timeout_s: float = 5.0, history: dict | None = None,
+                  journal: str | None = None) -> str:
     blocks = []
     for worker, (endpoint, replay) in workers.items():
         blocks.append(f'[[workers]]\nid = "{worker}"\nendpoint = "{endpoint}"\n'
@@ -107,7 +108,7 @@ max_pending_spans = {max_pending_spans}
 [export]
 endpoint = "http://127.0.0.1:{sink_port}"
 timeout_s = {export_timeout_s}
-[engine]
+""" + (f'journal = "{journal}"\n' if journal else "") + f"""[engine]
 block_size = {BLOCK}
 [privacy]
 digest_key = "reliability-test-secret-0001"

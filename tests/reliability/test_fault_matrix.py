@@ -707,13 +707,13 @@ def test_kvmiss_sigkilled_loses_exactly_the_spans_it_held_and_nothing_else(rig):
     yet delivered -- spans held for assembly or for history, and spans in the export queue
     (the sink was down) -- and nothing else: every span acknowledged before them was
     delivered, every span after the restart is. The restarted process rebuilds w0's history
-    from the publisher's replay ring and judges older lookups correctly. Nothing counts the
-    lost spans today (see the reply/RESULTS for a proposed restart journal): the test
-    measures the loss from outside and asserts it equals what was pending at the kill."""
+    from the publisher's replay ring and judges older lookups correctly, and its export
+    journal reports exactly the lost spans in kvmiss_spans_lost_on_restart_total."""
     engines = rig.engines(["w0"])
     sink = rig.sink()
     ports = (quiet_port(), quiet_port(), quiet_port())
-    config = dict(ports=ports, wait_s=30.0, assemble_wait_s=30.0, max_pending_spans=5000)
+    config = dict(ports=ports, wait_s=30.0, assemble_wait_s=30.0, max_pending_spans=5000,
+                  journal=str(rig.tmp_path / "spans.journal"))
     kvmiss = rig.start_kvmiss({"w0": engines.endpoints("w0")}, sink, **config)
     bring_up(kvmiss, engines)
     K, N = 9201, 9999
@@ -769,6 +769,7 @@ def test_kvmiss_sigkilled_loses_exactly_the_spans_it_held_and_nothing_else(rig):
         "early0": ("resident_miss",), "late-K-t1": ("resident_miss",), "late-N-t1": ("no_match",),
         "late-K-t2": ("resident_miss",)})
     assert labels["late-K-t1"] == "resident_miss"
-    m = kvmiss.scrape()  # the new process knows nothing of the loss
+    m = kvmiss.scrape()  # the new process counts the loss it found in the journal
     assert m.get("kvmiss_spans_received") == 300
+    assert m.get("kvmiss_spans_lost_on_restart") == len(lost) == 600
     assert kvmiss.stop() == 0
