@@ -23,9 +23,11 @@ def _read_balance(path: str) -> int:
     try:
         with open(path, "rb") as f:
             for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a torn last write: its count may be cut short
                 kind, _, count = line.strip().partition(b" ")
                 if not count.isdigit():
-                    continue  # a torn last line
+                    continue
                 if kind == b"a":
                     accepted += int(count)
                 elif kind == b"f":
