@@ -29,6 +29,7 @@ import email.utils
 import json
 import logging
 import random
+import ssl
 import time
 import zlib
 from typing import Callable, Iterable
@@ -114,23 +115,56 @@ def _log_partial_success(response: ExportTraceServiceResponse, where: str) -> No
         log.warning("%s rejected %d span(s): %s", where, partial.rejected_spans, partial.error_message)
 
 
+def _read_ca(tls_ca: str) -> bytes:
+    """The PEM CA bundle of ``export.tls_ca``; a ValueError naming key and path if unusable."""
+    try:
+        with open(tls_ca, "rb") as f:
+            pem = f.read()
+    except OSError as exc:
+        raise ValueError(f"export.tls_ca: cannot read {tls_ca}: {exc.strerror or type(exc).__name__}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise ValueError(f"export.tls_ca: {tls_ca} holds no PEM certificate")
+    return pem
+
+
+def client_ssl_context(tls_ca: str | None) -> ssl.SSLContext:
+    """Verifying client context (TLS >= 1.2): trusts ``tls_ca`` only, or the system store."""
+    if tls_ca is None:
+        context = ssl.create_default_context()
+    else:
+        pem = _read_ca(tls_ca)
+        try:
+            context = ssl.create_default_context(cadata=pem.decode("ascii", "replace"))
+        except ssl.SSLError:
+            raise ValueError(f"export.tls_ca: {tls_ca} is not a valid PEM CA bundle") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
 class HttpExporter:
     """OTLP/HTTP protobuf exporter. ``endpoint``: ``http(s)://host:port`` (``/v1/traces`` is
-    appended unless already there); ``timeout_s`` bounds one attempt."""
+    appended unless already there); ``timeout_s`` bounds one attempt. ``https://`` verifies
+    the server against ``tls_ca`` (a PEM CA bundle) when given, else the system store."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", headers: dict | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", headers: dict | None = None,
+                 tls_ca: str | None = None) -> None:  # fmt: skip
         endpoint = endpoint.rstrip("/")
         self.url = endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+        # Built here, not per request: a bad CA file fails at start-up.
+        self._ssl: ssl.SSLContext | bool = client_ssl_context(tls_ca) if self.url.startswith("https://") else True
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._gzip = compression == "gzip"
         self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
         if self._gzip:
             self._headers["Content-Encoding"] = "gzip"
         self._session: aiohttp.ClientSession | None = None
+        self._warned_tls = False
 
     async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
         if self._session is None:  # created here: a ClientSession belongs to the running loop
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=8))
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=8, ssl=self._ssl)
+            )
         body = request.SerializeToString()
         if self._gzip:
             # zlib releases the GIL: on a big body, a thread lets the loop keep receiving.
@@ -145,6 +179,10 @@ class HttpExporter:
                 ctype = response.content_type
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             # Connection refused/reset, timeouts: the downstream is (for now) unavailable.
+            # An untrusted certificate too (it may be rotated), but say so once, loudly.
+            if isinstance(exc, aiohttp.ClientConnectorCertificateError) and not self._warned_tls:
+                self._warned_tls = True
+                log.warning("%s: server certificate not trusted (%s); is export.tls_ca right?", self.url, exc)
             return ExportResult(Outcome.RETRYABLE, f"{type(exc).__name__}: {exc}")
         if 200 <= status < 300 and payload and ctype == "application/x-protobuf":
             with contextlib.suppress(Exception):  # accepted either way; an odd body changes nothing
@@ -166,13 +204,19 @@ def _status_message(payload: bytes, ctype: str) -> str:
 
 
 class GrpcExporter:
-    """OTLP/gRPC exporter. ``endpoint``: ``grpc://host:port`` (plaintext) or ``grpcs://``."""
+    """OTLP/gRPC exporter. ``endpoint``: ``grpc://host:port`` (plaintext) or ``grpcs://``
+    (TLS, verified against ``tls_ca`` when given, else gRPC's default roots)."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", metadata: tuple = ()) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", metadata: tuple = (),
+                 tls_ca: str | None = None) -> None:  # fmt: skip
         scheme, _, self.target = endpoint.partition("://")
         if scheme not in ("grpc", "grpcs") or not self.target:
             raise ValueError(f"gRPC endpoint must be grpc://host:port or grpcs://host:port, got {endpoint!r}")
         self._secure = scheme == "grpcs"
+        # Read here, not at the first export: a bad CA file fails at start-up.
+        self._credentials = (
+            grpc.ssl_channel_credentials(root_certificates=_read_ca(tls_ca) if tls_ca else None) if self._secure else None
+        )
         self._timeout = timeout_s
         self._compression = grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
         self._metadata = metadata
@@ -185,7 +229,7 @@ class GrpcExporter:
             # own schedule, so keep the channel's short or a recovered sink stays unseen.
             options = [("grpc.max_reconnect_backoff_ms", 5_000), ("grpc.initial_reconnect_backoff_ms", 500)]
             if self._secure:
-                self._channel = grpc.aio.secure_channel(self.target, grpc.ssl_channel_credentials(), options=options)
+                self._channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
             else:
                 self._channel = grpc.aio.insecure_channel(self.target, options=options)
             self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
@@ -259,10 +303,12 @@ def build_exporters(config: ExportConfig) -> list[TracesExporter]:
     exporters: list[TracesExporter] = []
     if config.endpoint:
         scheme = config.endpoint.partition("://")[0]
+        if config.tls_ca and scheme in ("http", "grpc"):
+            log.warning("export.tls_ca is set but export.endpoint %s is plain text: the CA is not used", config.endpoint)
         if scheme in ("http", "https"):
-            exporters.append(HttpExporter(config.endpoint, timeout_s=config.timeout_s))
+            exporters.append(HttpExporter(config.endpoint, timeout_s=config.timeout_s, tls_ca=config.tls_ca))
         elif scheme in ("grpc", "grpcs"):
-            exporters.append(GrpcExporter(config.endpoint, timeout_s=config.timeout_s))
+            exporters.append(GrpcExporter(config.endpoint, timeout_s=config.timeout_s, tls_ca=config.tls_ca))
         else:
             raise ValueError(f"export.endpoint must start with http://, https://, grpc:// or grpcs://, got {config.endpoint!r}")
     if config.file:

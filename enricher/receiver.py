@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import socket
+import ssl
 import zlib
 
 import grpc
@@ -156,6 +157,42 @@ def parse_listen(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class TlsFilesError(ValueError):
+    """``otlp.tls_cert`` / ``otlp.tls_key`` cannot be used; the message names the key and
+    path only (never file contents)."""
+
+
+def _refuse_encrypted_key() -> bytes:
+    # Without a password callback OpenSSL would prompt on the terminal and hang a service.
+    raise TlsFilesError("encrypted private keys are not supported")
+
+
+def load_server_tls(cert_path: str, key_path: str) -> tuple[ssl.SSLContext, grpc.ServerCredentials]:
+    """The HTTP server's `ssl.SSLContext` (TLS >= 1.2) and gRPC server credentials from a PEM
+    certificate chain and its private key. Raises `TlsFilesError` when a file is missing,
+    unreadable, not PEM, encrypted, or the key does not match the certificate."""
+    files = {}
+    for key, path in (("otlp.tls_cert", cert_path), ("otlp.tls_key", key_path)):
+        try:
+            with open(path, "rb") as f:
+                files[key] = f.read()
+        except OSError as exc:
+            raise TlsFilesError(f"{key}: cannot read {path}: {exc.strerror or type(exc).__name__}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert_path, key_path, password=_refuse_encrypted_key)
+    except TlsFilesError as exc:
+        raise TlsFilesError(f"otlp.tls_key: {key_path}: {exc}") from None
+    except (ssl.SSLError, OSError):  # OpenSSL's text says little more ("PEM lib"); keep it out
+        raise TlsFilesError(
+            f"otlp.tls_cert / otlp.tls_key: {cert_path} and {key_path} are not a PEM certificate "
+            "chain and its matching unencrypted private key"
+        ) from None
+    credentials = grpc.ssl_server_credentials([(files["otlp.tls_key"], files["otlp.tls_cert"])])
+    return context, credentials
+
+
 class _Rejected(Exception):
     """An HTTP request that is answered with an error status (never leaves this module)."""
 
@@ -168,8 +205,9 @@ class Receivers:
     """The OTLP/gRPC and OTLP/HTTP receivers of one process, sharing one consumer.
 
     ``config.grpc`` / ``config.http`` are listen addresses (None or "" disables that
-    receiver; port 0 picks a free port, see `grpc_port` / `http_port`). ``stats`` counts
-    requests and spans by outcome and reason (read it at scrape time).
+    receiver; port 0 picks a free port, see `grpc_port` / `http_port`). With
+    ``config.tls_cert`` and ``config.tls_key`` both serve TLS only (HTTP: TLS >= 1.2).
+    ``stats`` counts requests and spans by outcome and reason (read it at scrape time).
     """
 
     def __init__(self, config: OtlpConfig, consumer: TracesConsumer) -> None:
@@ -185,11 +223,18 @@ class Receivers:
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self._shutdown: asyncio.Task | None = None
+        self._http_tls: ssl.SSLContext | None = None
+        self._grpc_tls: grpc.ServerCredentials | None = None
 
     async def start(self) -> None:
         """Bind and start serving; returns once both listen. Raises OSError/RuntimeError
-        when an address cannot be bound (nothing is left running then)."""
+        when an address cannot be bound, `TlsFilesError` (a ValueError) when the TLS files
+        cannot be used (nothing is left running then)."""
         check_protobuf_backend()
+        if self._config.tls_cert or self._config.tls_key:
+            if not (self._config.tls_cert and self._config.tls_key):  # config.py refuses it too
+                raise TlsFilesError("otlp.tls_cert and otlp.tls_key go together")
+            self._http_tls, self._grpc_tls = load_server_tls(self._config.tls_cert, self._config.tls_key)
         try:
             if self._config.grpc:
                 await self._start_grpc(self._config.grpc)
@@ -198,7 +243,8 @@ class Receivers:
         except BaseException:
             await self.shutdown(0)
             raise
-        log.info("OTLP receivers listening: grpc=%s http=%s", self.grpc_port, self.http_port)
+        log.info("OTLP receivers listening: grpc=%s http=%s tls=%s", self.grpc_port, self.http_port,
+                 "on" if self._http_tls is not None else "off")
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Stop accepting, give in-flight requests ``grace`` seconds, then cancel them.
@@ -270,7 +316,11 @@ class Receivers:
             servicer.Export, request_deserializer=None, response_serializer=ExportTraceServiceResponse.SerializeToString
         )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_GRPC_SERVICE, {"Export": handler}),))
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self._grpc_tls is not None:
+            bound = server.add_secure_port(target, self._grpc_tls)
+        else:
+            bound = server.add_insecure_port(target)
         if bound == 0:  # older grpcio returns 0 instead of raising
             raise OSError(f"OTLP/gRPC: cannot listen on {address}")
         await server.start()
@@ -296,7 +346,7 @@ class Receivers:
         except OSError:
             sock.close()
             raise
-        await web.SockSite(runner, sock, backlog=512).start()
+        await web.SockSite(runner, sock, backlog=512, ssl_context=self._http_tls).start()
         self.http_port = sock.getsockname()[1]
 
     async def _handle_http(self, http_request: web.Request) -> web.Response:
