@@ -170,7 +170,7 @@ class Kvmiss:
     def _read_log(self) -> None:
         for line in self.proc.stderr:  # type: ignore[union-attr]
             self.log.append(line.rstrip("\n"))
-            if line.startswith("kvmiss serve: OTLP"):
+            if "kvmiss serve: OTLP" in line:
                 self._serving.set()
 
     def tail(self, n: int = 40) -> str:
