@@ -31,6 +31,7 @@ import logging
 import math
 import socket
 import ssl
+import time
 import zlib
 
 import grpc
@@ -201,6 +202,28 @@ class _Rejected(Exception):
         self.status, self.reason = status, reason
 
 
+class SpanRate:
+    """A token bucket over spans: ``per_s`` sustained, bursts of up to one second's worth
+    (and always at least one whole request, so a big batch is not refused forever)."""
+
+    def __init__(self, per_s: float):
+        self.per_s = per_s
+        self.tokens = per_s
+        self.at: float | None = None
+
+    def take(self, spans: int, now: float) -> bool:
+        if self.at is not None:
+            self.tokens = min(max(self.per_s, spans), self.tokens + (now - self.at) * self.per_s)
+        self.at = now
+        if self.tokens >= spans or self.tokens >= self.per_s:
+            self.tokens -= spans
+            return True
+        return False
+
+    def wait_s(self, spans: int) -> float:
+        return max(1.0, (min(spans, self.per_s) - self.tokens) / self.per_s)
+
+
 class Receivers:
     """The OTLP/gRPC and OTLP/HTTP receivers of one process, sharing one consumer.
 
@@ -214,6 +237,7 @@ class Receivers:
         self._config = config
         self._consumer = consumer
         self._max_body = config.max_body_bytes
+        self._rate = SpanRate(config.max_spans_per_s) if config.max_spans_per_s > 0 else None
         self.stats: collections.Counter[str] = collections.Counter()
         self._grpc_server: grpc.aio.Server | None = None
         self._http_runner: web.AppRunner | None = None
@@ -283,6 +307,10 @@ class Receivers:
         self.stats["spans_received"] += n_spans + rejected
         if n_spans == 0:  # nothing left to hand on (empty request, or every span bad)
             result = ConsumeResult(Outcome.ACCEPTED)
+        elif self._rate is not None and not self._rate.take(n_spans, time.monotonic()):
+            self.stats["requests_rate_limited"] += 1
+            return ConsumeResult(Outcome.RETRYABLE, message="kvmiss intake rate limit",
+                                 retry_after_s=self._rate.wait_s(n_spans))
         else:
             try:
                 result = await self._consumer.consume(request)

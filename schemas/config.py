@@ -75,6 +75,8 @@ class OtlpConfig(_Section):
     http: str | None = "127.0.0.1:4318"  # OTLP/HTTP listen address
     max_body_bytes: int = 20 * 1024 * 1024  # after decompression
     max_pending_spans: int = 200_000  # beyond it: UNAVAILABLE / 503 with a retry delay
+    max_spans_per_s: float = 0.0  # intake rate limit across both receivers (0: none); beyond
+    # it senders get UNAVAILABLE / 503 with a retry delay, like a full buffer
     tls_cert: str | None = None  # PEM certificate chain: with tls_key, both receivers use TLS
     tls_key: str | None = None  # PEM private key
 
@@ -188,6 +190,8 @@ def _check(config: Config, source: str) -> None:
                         ("export.timeout_s", config.export.timeout_s)):
         if not value > 0:
             raise ConfigError(f"{source}: {name} must be positive, got {value}")
+    if config.otlp.max_spans_per_s < 0:
+        raise ConfigError(f"{source}: otlp.max_spans_per_s must be >= 0 (0: no limit)")
     if bool(config.otlp.tls_cert) != bool(config.otlp.tls_key):
         raise ConfigError(f"{source}: otlp.tls_cert and otlp.tls_key go together")
     if config.engine.block_size <= 0:
