@@ -123,8 +123,6 @@ def real_vllm():
     # Half the prompts are repeats of an earlier one (cache hits of 15 blocks).
     prompts = [[3 + (j * 7 + (i if i % 2 else i - 1 if i else 0) * 13) % 500 for j in range(TOKENS)]
                for i in range(REQUESTS)]
-    requests_sets = {}
-
     def fresh_requests(tag):
         return [Request(f"cmpl-{tag}-{i}-0000beef", p, SamplingParams(max_tokens=1), None, block_hasher=hasher,
                         trace_headers={"traceparent": TRACEPARENT}) for i, p in enumerate(prompts)]

@@ -53,7 +53,7 @@ def test_a_holder_is_found_in_the_lifetime_that_served_the_lookup_even_after_a_r
     a1 = WorkerFeed("A", epoch=1, ts0=1030.0)
     for batch in a1.batches(range(0, 10)):
         index.apply(batch)
-    b = _b_never_stores_h(index, upto=40)
+    _b_never_stores_h(index, upto=40)
     v = judge(index, request("B", 1015.0))
     assert v.label is Label.ROUTING_MISS, v.label
 
@@ -64,7 +64,7 @@ def test_a_removal_in_the_step_straddling_the_lookup_leaves_routing_open():
     index, a = ResidencyIndex(), WorkerFeed("A")
     for batch in a.batches(range(0, 13), {2: [stored(H)], 10: [removed(H)]}):
         index.apply(batch)
-    b = _b_never_stores_h(index)
+    _b_never_stores_h(index)
     v = judge(index, request("B", a.ts(10) - 0.5))
     assert v.label is Label.UNKNOWN_HISTORY, v.label
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet_builders import H, WorkerFeed, request, stored
+from fleet_builders import H, WorkerFeed, request
 
 from kvmiss.enricher.evidence import gather
 from kvmiss.enricher.index import ResidencyIndex

@@ -41,15 +41,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from publisher_proc import batch as wire_batch  # one batch builder, in the subprocess's module
 from zmq_ports import free_port
 
-from kvmiss.enricher.demo.publisher import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    Publisher,
-)
+from kvmiss.enricher.demo.publisher import Publisher
 
 WAIT_S = 15.0  # deadline for any one condition on a loaded 2-core machine
 BLOCK = 16
@@ -469,19 +464,6 @@ class Truth:
         if block in ever:
             return "evicted"
         return "no_match"
-
-
-def wire_batch(ts: float, stored=(), removed=(), cleared=False) -> EventBatch:
-    events: list = []
-    if cleared:
-        events.append(AllBlocksCleared())
-    if stored:
-        events.append(BlockStored(block_hashes=list(stored), parent_block_hash=None,
-                                  token_ids=list(range(BLOCK * len(stored))), block_size=BLOCK,
-                                  lora_id=None, medium=None, lora_name=None))
-    if removed:
-        events.append(BlockRemoved(block_hashes=list(removed), medium=None))
-    return EventBatch(ts=ts, events=events, data_parallel_rank=None)
 
 
 class Engines:
