@@ -250,6 +250,10 @@ class StreamHealth(msgspec.Struct, kw_only=True):
     last_contiguous_seq: int | None = None
     oldest_replayable_seq: int | None = None  # first seq of the latest replay reply
     peak_batches_per_s: int = 0  # most batches in one whole second of engine ``ts``
+    # Receive time (kvmiss clock) minus publish time (engine clock) of the last live batch:
+    # delivery delay plus clock skew. Negative, or above `[history] clock_skew_s`, means the
+    # engine's clock is off by more than kvmiss assumes -- verdicts near a step can be wrong.
+    receive_lag_s: float | None = None
     # Tail probes (not counted in replays_* above): sent (retries included); answered with
     # proof of an idle tail; answered with batches lost live (then applied); answered without
     # our last batch (a restarted process or an empty ring: nothing proven); superseded by a

@@ -431,7 +431,7 @@ class WorkerStream:
             gap_from_seq=run.gap_from_seq, gap_to_seq=run.gap_to_seq, instance=state.instance,
             epoch_certain=state.epoch_certain, replayed=item.replayed,
         )))
-        self._count_applied(batch.ts, item.replayed, seq)
+        self._count_applied(batch.ts, item.replayed, seq, item.recv_ts)
 
     def _known_empty_applied(self, seq: int, cause: KnownEmpty) -> None:
         state = self.state
@@ -515,11 +515,13 @@ class WorkerStream:
     def _wait(self, attempt: int) -> float:
         return self.config.replay_timeout_s * self.config.replay_backoff**attempt
 
-    def _count_applied(self, ts: float, replayed: bool, seq: int) -> None:
+    def _count_applied(self, ts: float, replayed: bool, seq: int, recv_ts: float) -> None:
         health = self.health
         health.batches_applied += 1
         health.batches_replayed += replayed
         health.last_contiguous_seq = seq
+        if not replayed:  # a replayed batch arrives late by design
+            health.receive_lag_s = recv_ts - ts
         second = int(ts // 1)
         self._rate_count = self._rate_count + 1 if second == self._rate_second else 1
         self._rate_second = second

@@ -148,6 +148,7 @@ class KvmissCollector(Collector):
             "contiguous": GaugeMetricFamily("kvmiss_stream_last_contiguous_seq", "Last sequence applied with continuity.", labels=w),
             "oldest": GaugeMetricFamily("kvmiss_stream_oldest_replayable_seq", "First sequence of the latest replay reply.", labels=w),
             "peak": GaugeMetricFamily("kvmiss_stream_peak_batches_per_second", "Most batches in one second of engine time.", labels=w),
+            "lag": GaugeMetricFamily("kvmiss_stream_receive_lag_seconds", "Receive time minus engine publish time of the last live batch: delivery delay plus clock skew (alert when below 0 or above history.clock_skew_s).", labels=w),
             "tail_probes": CounterMetricFamily("kvmiss_stream_tail_probes", "Tail probes sent to a quiet worker's replay endpoint, retries included.", labels=w),
             "tail_confirmations": CounterMetricFamily("kvmiss_stream_tail_confirmations", "Tail probes that proved a worker idle since its last batch.", labels=w),
             "tail_recoveries": CounterMetricFamily("kvmiss_stream_tail_recoveries", "Tail probes that found batches lost live and applied them.", labels=w),
@@ -170,6 +171,8 @@ class KvmissCollector(Collector):
             if h.oldest_replayable_seq is not None:
                 fams["oldest"].add_metric([worker], h.oldest_replayable_seq)
             fams["peak"].add_metric([worker], h.peak_batches_per_s)
+            if h.receive_lag_s is not None:
+                fams["lag"].add_metric([worker], h.receive_lag_s)
             fams["tail_probes"].add_metric([worker], h.tail_probes)
             fams["tail_confirmations"].add_metric([worker], h.tail_confirmations)
             fams["tail_recoveries"].add_metric([worker], h.tail_recoveries)

@@ -644,3 +644,11 @@ class TestReplayOnFirstConnect:
         assert WorkerStream("w0", replay=False).on_connect(1.0) == []
         off = WorkerStream("w0", replay=True, config=StreamConfig(replay_on_connect=False))
         assert off.on_connect(1.0) == []
+
+
+def test_the_receive_lag_of_live_batches_shows_delivery_delay_plus_clock_skew():
+    stream = WorkerStream("w0", replay=True)
+    stream.on_live(live(0, ts=1000.0), now=1000.25)
+    assert stream.health.receive_lag_s == 0.25
+    stream.on_live(live(1, ts=1001.0), now=1000.75)  # the engine's clock runs ahead of ours
+    assert stream.health.receive_lag_s == -0.25
