@@ -21,13 +21,12 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
 from kvmiss.collectors.stream import WorkerStream
-from kvmiss.enricher.pipeline import PipelineStats
+from kvmiss.enricher.pipeline import MAX_ROUTE_POLICIES, PipelineStats
 from kvmiss.schemas.attribution import LABEL_OWNER, Label
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
 NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
 WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-MAX_ROUTE_POLICIES = 16  # beyond it, policies are folded into "other" (cardinality bound)
 
 
 class WaitHistogram:

@@ -498,37 +498,7 @@ class TestWithRealVllm:
 
 # --- kvmiss serve: the plugin's span + vLLM's llm_request, no router ------------------------------
 
-
-class Sink:
-    def __init__(self):
-        self.requests: list[ExportTraceServiceRequest] = []
-
-    def has_capacity(self, spans: int) -> bool:
-        return True
-
-    def put(self, request) -> bool:
-        self.requests.append(request)
-        return True
-
-    def spans(self) -> list:
-        return [s for r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
-
-
-class Clock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def attrs(span) -> dict:
-    out = {}
-    for kv in span.attributes:
-        kind = kv.value.WhichOneof("value")
-        out[kv.key] = getattr(kv.value, kind) if kind != "array_value" else [
-            getattr(v, v.WhichOneof("value")) for v in kv.value.array_value.values]
-    return out
+from test_pipeline import Clock, Sink, attrs  # noqa: E402 (the pipeline tests' small doubles)
 
 
 CHAIN = [PARENT, H, PARENT + 2]  # 16-token blocks, as in fleet_builders
