@@ -66,12 +66,6 @@ def canonical_medium(raw: str | None) -> str:
     return _MEDIUM_ALIASES.get(upper, upper)
 
 
-def block_key(block_hash: int, group_idx: int | None) -> int | tuple[int, int]:
-    """Blocks of KV-cache group 0 (full attention) are keyed by hash alone, others by
-    (group, hash): the same hash in two groups is two different blocks."""
-    return block_hash if not group_idx else (group_idx, block_hash)
-
-
 # Record encoding (the values of a media table):
 #   int s >= 0                     resident, one copy, stored at seq s, nothing older kept
 #   int c < 0                      closed, nothing older kept: `_closed` packs (s, r, by_clear)
@@ -272,6 +266,8 @@ class EpochView:
             if found is None:
                 found = self._table(event.medium)
             medium, table = found
+            # Blocks of KV-cache group 0 (full attention) are keyed by hash alone, others by
+            # (group, hash): the same hash in two groups is two different blocks.
             group = event.group_idx
             if cls is BlockStored:
                 if self.siblings is not None and medium == GPU:

@@ -51,7 +51,7 @@ import random
 import re
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 # A child of vLLM's logger: vLLM configures its handler, so lines appear in its log format.
 log = logging.getLogger("vllm.plugins.kvmiss")
@@ -554,6 +554,3 @@ __all__ = [
     "lookup_attributes", "otel_int", "register", "version_supported",
 ]
 
-
-def _iter_attachments() -> Iterable[Attachment]:  # for tests and benchmarks
-    return tuple(_attachments)
