@@ -21,32 +21,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
 from kvmiss.collectors.stream import WorkerStream
-from kvmiss.enricher.pipeline import MAX_ROUTE_POLICIES, PipelineStats
+from kvmiss.enricher.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
 from kvmiss.schemas.attribution import LABEL_OWNER, Label
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
 NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
-WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class WaitHistogram:
-    """Cumulative histogram of history-wait seconds (drains the pipeline's samples)."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * len(WAIT_BUCKETS)
-        self.total = 0
-        self.sum = 0.0
-
-    def observe_all(self, samples: list[float]) -> None:
-        for value in samples:
-            self.total += 1
-            self.sum += value
-            for i, bound in enumerate(WAIT_BUCKETS):
-                if value <= bound:
-                    self.counts[i] += 1
-        samples.clear()
-
-
 class KvmissCollector(Collector):
     """Builds every kvmiss metric family from live state when scraped."""
 
@@ -64,7 +43,6 @@ class KvmissCollector(Collector):
         self.exports = exports  # the service's ExportQueues
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
-        self.waits = WaitHistogram()
 
     def describe(self) -> Iterable[Metric]:
         return []  # unchecked collector: families depend on the fleet
@@ -194,8 +172,8 @@ class KvmissCollector(Collector):
         bad = CounterMetricFamily("kvmiss_bad_attributes", "Input attributes with unusable values, by attribute name.", labels=["attribute"])
         for name, n in sorted(s.bad_attributes.items()):
             bad.add_metric([name], n)
-        self.waits.observe_all(s.history_wait_s)
+        h = s.history_wait
         waits = HistogramMetricFamily("kvmiss_history_wait_seconds", "How long requests waited for their worker's events.")
-        buckets = [(str(b), c) for b, c in zip(WAIT_BUCKETS, self.waits.counts)] + [("+Inf", self.waits.total)]
-        waits.add_metric([], buckets, self.waits.sum)
+        buckets = [(str(b), c) for b, c in zip(WAIT_BUCKETS, h.counts)] + [("+Inf", h.total)]
+        waits.add_metric([], buckets, h.sum)
         yield from (received, exported, refused, lost, unenriched, bad, waits)

@@ -56,6 +56,25 @@ class PendingBatch:
         self.carriers: list[Any] = []  # spans with input attributes: the only ones raw inputs can be on
 
 
+WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
+
+
+class WaitHistogram:
+    """Cumulative histogram of history waits: a fixed size whether or not anyone scrapes."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(WAIT_BUCKETS)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, bound in enumerate(WAIT_BUCKETS):
+            if value <= bound:
+                self.counts[i] += 1
+
+
 class PipelineStats:
     """Counters read at scrape time (names follow SPANS.md's metric list)."""
 
@@ -68,7 +87,7 @@ class PipelineStats:
         self.bad_attributes: collections.Counter[str] = collections.Counter()  # by attribute name
         self.verdicts: collections.Counter[tuple[Label, str, str]] = collections.Counter()
         self.missed_tokens: collections.Counter[tuple[Label, str, str]] = collections.Counter()
-        self.history_wait_s: list[float] = []  # drained by the metrics collector
+        self.history_wait = WaitHistogram()  # seconds requests waited for their history
 
 
 class Pipeline:
@@ -277,7 +296,7 @@ class Pipeline:
         key = self.metric_key(facts, verdict)
         self.stats.verdicts[key] += 1
         self.stats.missed_tokens[key] += verdict.missed_tokens
-        self.stats.history_wait_s.append(waited)
+        self.stats.history_wait.observe(waited)
         self._judged.add(assembly)
         if self.on_verdict is not None:
             self.on_verdict(facts, verdict, assembly.trace_id)

@@ -269,3 +269,13 @@ def test_span_supplied_workers_and_policies_are_bounded_metric_keys():
     assert len({k[1] for k in keys}) == 17 and ("other" in {k[1] for k in keys})
     tracked = pipe.metric_key(RequestFacts(prompt_tokens=1, cached_tokens=0, block_size=16, worker="A"), verdict)
     assert tracked[2] == "A"
+
+
+def test_history_waits_are_kept_as_a_fixed_size_histogram_whether_or_not_anyone_scrapes():
+    from kvmiss.enricher.pipeline import WAIT_BUCKETS, WaitHistogram
+
+    h = WaitHistogram()
+    for i in range(10_000):
+        h.observe((i % 7) * 0.2)
+    assert len(h.counts) == len(WAIT_BUCKETS) and h.total == 10_000
+    assert h.counts[0] == len(range(0, 10_000, 7)) and h.counts[-1] == 10_000
