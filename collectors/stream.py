@@ -418,7 +418,7 @@ class WorkerStream:
         if state.run is None:  # the epoch's first seq, nothing missed before it
             state.run = Run(seq, RunStart.EPOCH_START)
             known_empty = KnownEmpty.EPOCH_START
-        elif any(type(event) is AllBlocksCleared for event in batch.events):
+        elif AllBlocksCleared in map(type, batch.events):  # (C-speed scan: every batch passes)
             known_empty = KnownEmpty.CLEARED
         if known_empty is not None:
             self._known_empty_applied(seq, known_empty)

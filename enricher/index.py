@@ -16,16 +16,16 @@ never carried across). Inside a view:
     sends nothing, so this is how its history reaches a lookup after its last batch.
   * ``runs``: stretches of continuous history (see `schemas.stream.RunStart`).
   * ``clears``: observed AllBlocksCleared (seq, ts): known-empty points.
-  * ``media``: medium -> {block key -> record}, the *latest* residency interval of each
-    block on that medium, older ones chained behind it. Copies are reference-counted per
-    (medium, group): tiers and the lookup-limit recompute store one hash twice, and one
-    `BlockRemoved` does not mean the hash left. Records are packed for speed and memory
-    (see `Interval` for the encoding); queries unpack them into `Interval` views.
+  * ``media``: medium -> `BlockTable` (enricher/residency_table.py): the *latest*
+    residency interval of each block on that medium, older ones chained behind it, and a
+    retention queue of closed ones. Copies are reference-counted per (medium, group): tiers
+    and the lookup-limit recompute store one hash twice, and one `BlockRemoved` does not
+    mean the hash left. Compiled, ~28 bytes per block; queries read `Interval` views.
   * ``pruned``: a no-false-negative filter of blocks whose records retention dropped, so a
     query that would need one answers "aged out" instead of guessing.
 
-Per-event work is O(1) (a dict lookup and a small object per stored block); AllBlocksCleared
-is O(resident blocks), as in every peer implementation, and rare.
+Per-event work is O(1) (one call into the table per event, one probe per block);
+AllBlocksCleared is O(resident blocks), as in every peer implementation, and rare.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from array import array
 from typing import Iterable, Iterator, NamedTuple
 
 from kvmiss.enricher.divergence import SiblingRegistry
+from kvmiss.enricher.residency_table import SEQ_SPAN, Applier, BlockTable, warn_if_not_accelerated
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
@@ -66,18 +67,6 @@ def canonical_medium(raw: str | None) -> str:
     return _MEDIUM_ALIASES.get(upper, upper)
 
 
-# Record encoding (the values of a media table):
-#   int s >= 0                     resident, one copy, stored at seq s, nothing older kept
-#   int c < 0                      closed, nothing older kept: `_closed` packs (s, r, by_clear)
-#   (refs, s, r, by_clear, prev)   general: ``refs`` live copies; ``r`` removed seq (None while
-#                                  resident); ``s`` None when the store predates our history;
-#                                  ``prev`` the block's previous record (same encoding) or None.
-# The common cases -- stored once and resident, or evicted once -- cost one int. Records
-# are immutable tuples, replaced on change: the cyclic GC untracks tuples of atoms, so a
-# million records add nothing to every full collection (lists made ingest 2.5x slower).
-REFS, STORED, REMOVED, BY_CLEAR, PREV = range(5)
-
-
 class Interval(NamedTuple):
     """A read-only view of one residency interval of a block on one medium.
 
@@ -91,43 +80,6 @@ class Interval(NamedTuple):
     removed_seq: int | None
     removed_ts: float | None
     removed_by_clear: bool
-
-
-_SEQ_BITS = 40  # 10^12 batches: decades of a busy engine
-
-
-def _closed(stored: int, removed: int, by_clear: bool) -> int:
-    """Pack a closed interval with nothing older into one negative int."""
-    return -1 - ((stored << (_SEQ_BITS + 1)) | (removed << 1) | by_clear)
-
-
-def _unpack(record: int | tuple) -> tuple[int | None, int | None, bool, int | tuple | None]:
-    """(stored seq, removed seq, removed by a clear, previous record) of any record."""
-    if record.__class__ is int:
-        if record >= 0:
-            return record, None, False, None
-        value = -1 - record
-        return value >> (_SEQ_BITS + 1), (value >> 1) & ((1 << _SEQ_BITS) - 1), bool(value & 1), None
-    return record[STORED], record[REMOVED], record[BY_CLEAR], record[PREV]
-
-
-def _chain(record) -> Iterator[int | tuple]:
-    """A block's records, newest first."""
-    while record is not None:
-        yield record
-        record = _unpack(record)[3]
-
-
-def _relink(records: list) -> int | tuple | None:
-    """Rebuild a chain (newest first) from kept records, the oldest losing its ``prev``."""
-    chained = None
-    for record in reversed(records):
-        if record.__class__ is int:
-            stored, removed, by_clear, _ = _unpack(record)
-            chained = record if chained is None else (0, stored, removed, by_clear, chained)
-        else:
-            chained = (*record[:PREV], chained)
-    return chained
 
 
 class Run:
@@ -219,12 +171,17 @@ class EpochView:
         self.log_base = 0  # entries dropped from the front of the log by retention
         self.runs: list[Run] = []
         self.clears: list[tuple[int, float]] = []
-        self.media: dict[str, dict[object, int | list]] = {GPU: {}}
-        self._tables: dict[str | None, tuple[str, dict]] = {}  # raw medium -> (name, table)
-        self.closed: collections.deque[tuple[float, str, object]] = collections.deque()
+        # Residency records (enricher/residency_table.py), per medium for KV-cache group 0
+        # (full attention: what a prefix lookup is judged on) and per (medium, group) for
+        # the others: the same hash in two groups is two different blocks. Created at the
+        # first batch, relative to its seq.
+        self.media: dict[str, BlockTable] = {}
+        self.group_media: dict[tuple[str, int], BlockTable] = {}
+        self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
         self.pruned = PrunedFilter()
         self.horizon_ts: float | None = None  # records before this engine time may be gone
         self.first_ts: float | None = None
+        self.first_seq = 0  # the first applied batch's seq: the residency tables count from it
         self.siblings = SiblingRegistry() if divergence_detail else None
         # Engine time since which the current run is continuous from a known-empty point (its
         # epoch start or a clear), None while it is not: lets the fleet view rule a worker
@@ -238,6 +195,9 @@ class EpochView:
         self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
         self.last_ts: float | None = None
         self.tail: tuple[int, float] | None = None  # (seq, kvmiss time) of the latest confirmation
+        self._applier = None if Applier is None else Applier(
+            self._tables, self.same_step_copies, BlockStored, BlockRemoved,
+            None if self.siblings is None else self.siblings.note)
 
     # --- applying -------------------------------------------------------------------
     # The hot path: every event of every worker passes here. Kept flat on purpose.
@@ -252,84 +212,64 @@ class EpochView:
             runs[-1].last_seq = seq
         self.epoch_certain = batch.epoch_certain
         if self.first_ts is None:
-            self.first_ts = ts
+            self.first_ts, self.first_seq = ts, seq
         self.last_seq, self.last_ts = seq, ts
         self.log_seq.append(seq)
         self.log_ts.append(ts)
-        tables = self._tables
-        for event in batch.events:
-            cls = event.__class__
-            if cls is AllBlocksCleared:
-                self._clear(seq, ts)
-                continue
-            found = tables.get(event.medium)
-            if found is None:
-                found = self._table(event.medium)
-            medium, table = found
-            # Blocks of KV-cache group 0 (full attention) are keyed by hash alone, others by
-            # (group, hash): the same hash in two groups is two different blocks.
-            group = event.group_idx
-            if cls is BlockStored:
-                if self.siblings is not None and medium == GPU:
-                    self.siblings.note(event, seq)
-                for h in event.block_hashes:
-                    key = h if not group else (group, h)
-                    size = len(table)
-                    record = table.setdefault(key, seq)  # one lookup for a new block
-                    if len(table) != size:
-                        continue
-                    if record.__class__ is int:
-                        if record >= 0:  # a second copy
-                            table[key] = (2, record, None, False, None)
-                            if record == seq and medium == GPU:
-                                self.same_step_copies[key] = seq
-                        else:  # stored again after its removal
-                            table[key] = (1, seq, None, False, record)
-                    elif record[REMOVED] is None:
-                        table[key] = (record[REFS] + 1, *record[1:])
-                        if record[STORED] == seq and medium == GPU:
-                            self.same_step_copies[key] = seq
-                    else:
-                        table[key] = (1, seq, None, False, record)
-            elif cls is BlockRemoved:
-                closed = self.closed
-                for h in event.block_hashes:
-                    key = h if not group else (group, h)
-                    record = table.get(key)
-                    if record.__class__ is int and record >= 0:
-                        table[key] = _closed(record, seq, False)
-                    elif record is None or record.__class__ is int or record[REMOVED] is not None:
-                        # Stored before our history began: the removal is real, the store unknown.
-                        table[key] = (0, None, seq, False, record)
-                    elif record[REFS] > 1:
-                        table[key] = (record[REFS] - 1, *record[1:])
-                        continue
-                    else:
-                        table[key] = (0, record[STORED], seq, False, record[PREV])
-                    closed.append((ts, medium, key))
+        events, applier = batch.events, self._applier
+        if applier is None:
+            for event in events:
+                self._apply_event(event, seq, ts)
+            return
+        # The compiled loop stops at what it leaves to Python (a clear, a first event of a
+        # new medium or group); handle that one here and resume after it.
+        i, n = applier(events, seq, ts), len(events)
+        while i < n:
+            self._apply_event(events[i], seq, ts)
+            i = applier(events, seq, ts, i + 1)
 
-    def _table(self, raw_medium: str | None) -> tuple[str, dict]:
+    def _apply_event(self, event, seq: int, ts: float) -> None:
+        cls = event.__class__
+        if cls is AllBlocksCleared:
+            self._clear(seq, ts)
+            return
+        found = self._tables.get((event.medium, event.group_idx))
+        if found is None:
+            found = self._table(event.medium, event.group_idx)
+        gpu_group0, table = found
+        if cls is BlockStored:
+            if gpu_group0 and self.siblings is not None:
+                self.siblings.note(event, seq)
+            copies = table.store(event.block_hashes, seq)
+            if copies is not None and gpu_group0:
+                for key in copies:
+                    self.same_step_copies[key] = seq
+        elif cls is BlockRemoved:
+            table.remove(event.block_hashes, seq, ts)
+
+    def holds_seq(self, seq: int) -> bool:
+        """Whether batch ``seq`` fits this view's residency tables (see `SEQ_SPAN`)."""
+        return self.first_ts is None or 0 <= seq - self.first_seq < SEQ_SPAN
+
+    def _table(self, raw_medium: str | None, group: int | None) -> tuple[bool, BlockTable]:
         name = canonical_medium(raw_medium)
-        table = self.media.get(name)
+        tables = self.media if not group else self.group_media
+        table_key = name if not group else (name, group)
+        table = tables.get(table_key)  # type: ignore[call-overload]
         if table is None:
-            table = self.media[name] = {}
-        found = self._tables[raw_medium] = (name, table)
+            table = tables[table_key] = BlockTable(self.first_seq)  # type: ignore[index]
+        found = self._tables[(raw_medium, group)] = (name == GPU and not group, table)
         return found
+
+    def all_tables(self) -> Iterator[BlockTable]:
+        yield from self.media.values()
+        yield from self.group_media.values()
 
     def _clear(self, seq: int, ts: float) -> None:
         self.clears.append((seq, ts))
         self.known_empty_since = ts
-        for medium, table in self.media.items():
-            for key, record in table.items():
-                if record.__class__ is int:
-                    if record < 0:
-                        continue
-                    table[key] = _closed(record, seq, True)
-                elif record[REMOVED] is None:
-                    table[key] = (0, record[STORED], seq, True, record[PREV])
-                else:
-                    continue
-                self.closed.append((ts, medium, key))
+        for table in self.all_tables():
+            table.clear(seq, ts)
 
     # --- retention --------------------------------------------------------------------
 
@@ -338,26 +278,14 @@ class EpochView:
         blocks lost records. Resident intervals are never dropped (they are current)."""
         cut = bisect.bisect_left(self.log_ts, before_ts)
         horizon_seq = self.log_seq[cut] if cut < len(self.log_seq) else None
-        if self.same_step_copies:
-            self.same_step_copies = {k: q for k, q in self.same_step_copies.items()
-                                     if horizon_seq is not None and q >= horizon_seq}
+        copies = self.same_step_copies  # in place: the compiled applier holds this dict
+        for key in [k for k, q in copies.items() if horizon_seq is None or q < horizon_seq]:
+            del copies[key]
         dropped = 0
-        closed = self.closed
-        while closed and closed[0][0] < before_ts:
-            _, medium, key = closed.popleft()
-            table = self.media[medium]
-            records = list(_chain(table.get(key)))
-            for i, record in enumerate(records):
-                removed = _unpack(record)[1]
-                if removed is not None and (horizon_seq is None or removed < horizon_seq):
-                    kept = _relink(records[:i])
-                    if kept is None:
-                        del table[key]
-                    else:
-                        table[key] = kept
-                    self.pruned.add(key if isinstance(key, int) else key[1])
-                    dropped += 1
-                    break
+        for table in self.all_tables():
+            for block_hash in table.prune(before_ts, horizon_seq):
+                self.pruned.add(block_hash)
+                dropped += 1
         if cut:
             del self.log_seq[:cut]
             del self.log_ts[:cut]
@@ -447,11 +375,12 @@ class EpochView:
     def interval_as_of(self, key: object, medium: str, step_seq: int) -> Interval | None:
         """The latest interval of ``key`` on ``medium`` whose store happened before the
         lookup step (a store in the lookup step happened after the lookup)."""
-        for record in _chain(self.media.get(medium, {}).get(key)):
-            stored, removed, by_clear, _ = _unpack(record)
-            if stored is None or stored < step_seq:
-                return Interval(stored, self.ts_of(stored), removed, self.ts_of(removed), by_clear)
-        return None
+        table = self.media.get(medium)
+        found = table.as_of(key, step_seq) if table is not None else None
+        if found is None:
+            return None
+        stored, removed, by_clear = found
+        return Interval(stored, self.ts_of(stored), removed, self.ts_of(removed), by_clear)
 
     @property
     def applied_through_ts(self) -> float | None:
@@ -474,10 +403,13 @@ class ResidencyIndex:
         self.current: dict[str, EpochView] = {}
         self.previous: dict[str, collections.deque[EpochView]] = {}
         self.tracked: set[str] = set(workers)
+        warn_if_not_accelerated()
 
     def apply(self, batch: AppliedBatch) -> None:
         view = self.current.get(batch.worker)
-        if view is None or view.epoch != batch.epoch:
+        if view is None or view.epoch != batch.epoch or not view.holds_seq(batch.seq):
+            # (A seq the view cannot hold -- 2^40 batches past its first -- is garbage that
+            # passed continuity as a hole; a fresh view keeps the flow without a guess.)
             if view is not None and self.keep_previous_epochs > 0:
                 older = self.previous.setdefault(
                     batch.worker, collections.deque(maxlen=self.keep_previous_epochs))

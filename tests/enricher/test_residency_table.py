@@ -1,0 +1,169 @@
+"""The compiled residency table against its reference model (enricher/residency_table.py).
+
+Both get the same random stream of stores, removals, clears and prunes, and must give the
+same answer to every query after every step. Hash values are drawn from a small pool so
+that blocks are stored twice, removed, re-stored and pruned; the C table's growth, shrink
+and backward-shift deletion are exercised by a second, larger pool.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmiss.enricher import residency_table
+from kvmiss.enricher.residency_table import PyBlockTable
+
+compiled = pytest.mark.skipif(not residency_table.ACCELERATED, reason="the C table was not built (no compiler at install)")
+
+
+def test_the_compiled_table_is_built_where_ci_requires_it():
+    """CI (`.ci/run`) installs with a compiler: the fallback must not hide a broken build."""
+    if os.environ.get("KVMISS_REQUIRE_ACCELERATED") != "1":
+        pytest.skip("set KVMISS_REQUIRE_ACCELERATED=1 to require the compiled table")
+    assert residency_table.ACCELERATED
+
+
+def _ops(pool: list[int]):
+    hashes = st.lists(st.sampled_from(pool), min_size=1, max_size=6)
+    return st.lists(st.one_of(
+        st.tuples(st.just("store"), hashes),
+        st.tuples(st.just("remove"), hashes),
+        st.tuples(st.just("clear"), st.just(None)),
+        st.tuples(st.just("prune"), st.integers(0, 40)),
+        st.tuples(st.just("next"), st.just(None)),
+    ), max_size=120)
+
+
+def _same(c, p, pool: list[int], seq: int, base: int) -> None:
+    assert len(c) == len(p)
+    assert c.older == p.older and c.retained == p.retained
+    for h in pool:
+        assert (h in c) == (h in p)
+        assert c.chain(h) == p.chain(h), h
+        assert c.copies(h) == p.copies(h)
+        for step in (base - 1, base, (base + seq) // 2, seq, seq + 1):
+            assert c.as_of(h, step) == p.as_of(h, step), (h, step)
+
+
+def _run(ops, pool: list[int], base: int) -> None:
+    c, p = residency_table.BlockTable(base), PyBlockTable(base)
+    seq = base
+    for op, arg in ops:
+        ts = float(seq - base)
+        if op == "store":
+            assert c.store(arg, seq) == p.store(arg, seq)
+        elif op == "remove":
+            assert c.remove(arg, seq, ts) == p.remove(arg, seq, ts)
+        elif op == "clear":
+            assert c.clear(seq, ts) == p.clear(seq, ts)
+        elif op == "prune":
+            horizon = base + arg if arg <= seq - base else None
+            assert sorted(c.prune(float(arg), horizon)) == sorted(p.prune(float(arg), horizon))
+        else:
+            seq += 1
+        _same(c, p, pool, seq, base)
+
+
+SMALL_POOL = [0, 1, 2, 3, 2**64 - 1, 2**63, 12345678901234567890]
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(_ops(SMALL_POOL), st.sampled_from([0, 7, 10**12]))
+def test_compiled_and_reference_tables_agree(ops, base):
+    _run(ops, SMALL_POOL, base)
+
+
+@compiled
+def test_they_agree_through_growth_shrink_and_deletion_on_a_larger_population():
+    rng = random.Random(11)
+    pool = [rng.getrandbits(64) for _ in range(3000)] + list(range(64))  # sequential keys cluster
+    c, p = residency_table.BlockTable(), PyBlockTable()
+    for seq in range(400):
+        batch = rng.sample(pool, 40)
+        assert c.store(batch, seq) == p.store(batch, seq)
+        gone = rng.sample(pool, 30)
+        assert c.remove(gone, seq, float(seq)) == p.remove(gone, seq, float(seq))
+        if seq % 97 == 96:
+            assert c.clear(seq, float(seq)) == p.clear(seq, float(seq))
+        if seq % 50 == 49:
+            assert sorted(c.prune(seq - 30.0, seq - 30)) == sorted(p.prune(seq - 30.0, seq - 30))
+    for h in pool:
+        assert c.chain(h) == p.chain(h) and c.as_of(h, 200) == p.as_of(h, 200)
+    assert len(c) == len(p)
+    # Everything closes and ages out: the table gives its memory back.
+    c.clear(400, 400.0), p.clear(400, 400.0)
+    assert sorted(c.prune(1e9, None)) == sorted(p.prune(1e9, None))
+    assert len(c) == len(p) == 0 and c.older == 0 and c.nbytes < 4096
+
+
+@pytest.mark.parametrize("table", [residency_table.BlockTable, PyBlockTable])
+def test_bad_values_are_refused_with_a_clear_error_and_leave_the_table_usable(table):
+    t = table(100)
+    with pytest.raises(OverflowError, match="outside this epoch's range"):
+        t.store([1], 99)
+    with pytest.raises(OverflowError, match=r"\[0, 2\*\*64\)"):
+        t.store([-1], 100)
+    with pytest.raises(OverflowError, match=r"\[0, 2\*\*64\)"):
+        t.remove([2**64], 100, 0.0)
+    t.store([5], 100)
+    assert 5 in t and t.copies(5) == 1 and t.as_of(5, 101) == (100, None, False)
+    assert "5" not in t and -5 not in t and t.as_of("5", 101) is None
+
+
+def test_the_index_gives_the_same_verdicts_on_the_reference_model():
+    """The fallback is a whole working index, not only a table: the worked cases pass on it."""
+    env = dict(os.environ, KVMISS_PURE_PYTHON_TABLE="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/enricher/test_worked_cases.py", "tests/enricher/test_evidence.py"],
+        env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout
+
+
+def _event(kind: str, hashes: list[int], medium: str | None, group: int | None):
+    from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+    if kind == "clear":
+        return AllBlocksCleared()
+    if kind == "store":
+        return BlockStored(block_hashes=hashes, block_size=16, medium=medium, group_idx=group)
+    return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
+
+
+@compiled
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.tuples(
+    st.sampled_from(["store", "store", "remove", "clear"]),
+    st.lists(st.sampled_from(SMALL_POOL), min_size=1, max_size=4),
+    st.sampled_from([None, "GPU", "CPU", "cpu_pinned"]),
+    st.sampled_from([None, 0, 1])), max_size=8), max_size=25))
+def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches):
+    """EpochView's compiled applier (any mix of media, groups and mid-batch clears) against
+    its own Python loop over the same tables."""
+    from kvmiss.enricher.index import EpochView
+    from kvmiss.schemas.stream import AppliedBatch, RunStart
+
+    fast, slow = EpochView("w", 0, None), EpochView("w", 0, None)
+    slow._applier = None
+    for seq, spec in enumerate(batches, start=5):
+        events = [_event(*e) for e in spec]
+        for view in (fast, slow):
+            view.apply(AppliedBatch(worker="w", epoch=0, seq=seq, ts=float(seq), recv_ts=float(seq),
+                                    events=list(events), run_start_seq=5, run_start=RunStart.EPOCH_START))
+    assert fast.same_step_copies == slow.same_step_copies
+    assert set(fast.media) == set(slow.media) and set(fast.group_media) == set(slow.group_media)
+    pairs = [(fast.media[m], slow.media[m]) for m in fast.media]
+    pairs += [(fast.group_media[k], slow.group_media[k]) for k in fast.group_media]
+    for a, b in pairs:
+        assert len(a) == len(b) and a.retained == b.retained
+        for h in SMALL_POOL:
+            assert a.chain(h) == b.chain(h) and a.copies(h) == b.copies(h)
