@@ -4,8 +4,9 @@
 
 A fleet-sized population: every worker stores ``--blocks`` distinct blocks (16 per
 BlockStored, 8 events per batch, as an engine step would), then evicts a tenth of them
-(retained eviction records). Memory is measured with tracemalloc around the index alone,
-after the events themselves are gone.
+(retained eviction records). Memory is measured with tracemalloc (which sees the compiled
+table's allocations too) around each phase, with the events and the benchmark's own lists
+of hashes gone: only what the index keeps is counted.
 """
 
 from __future__ import annotations
@@ -16,20 +17,25 @@ import random
 import tracemalloc
 
 from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.residency_table import ACCELERATED
 from kvmiss.schemas.events import BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 
-def feed(index: ResidencyIndex, worker: str, blocks: int, rng: random.Random) -> list[int]:
-    hashes = [rng.getrandbits(64) for _ in range(blocks)]
+def worker_hashes(worker: int, blocks: int) -> list[int]:
+    """The worker's block hashes, reproducible so that no list of them outlives a phase."""
+    rng = random.Random(1000 + worker)
+    return [rng.getrandbits(64) for _ in range(blocks)]
+
+
+def feed(index: ResidencyIndex, worker: str, hashes: list[int]) -> None:
     seq = 0
-    for start in range(0, blocks, 128):
+    for start in range(0, len(hashes), 128):
         chunk = hashes[start:start + 128]
         events = [BlockStored(block_hashes=chunk[i:i + 16], block_size=16) for i in range(0, len(chunk), 16)]
         index.apply(AppliedBatch(worker=worker, epoch=0, seq=seq, ts=float(seq), recv_ts=float(seq),
                                  events=events, run_start_seq=0, run_start=RunStart.EPOCH_START))
         seq += 1
-    return hashes
 
 
 def evict(index: ResidencyIndex, worker: str, victims: list[int], seq0: int) -> None:
@@ -40,35 +46,45 @@ def evict(index: ResidencyIndex, worker: str, victims: list[int], seq0: int) -> 
                                  events=events, run_start_seq=0, run_start=RunStart.EPOCH_START))
 
 
+def traced() -> int:
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=500_000)
     args = parser.parse_args()
-    rng = random.Random(3)
+    workers = [f"w{i}" for i in range(args.workers)]
     tracemalloc.start()
-    index = ResidencyIndex([f"w{i}" for i in range(args.workers)])
-    kept: dict[str, list[int]] = {}
-    gc.collect()
-    base = tracemalloc.get_traced_memory()[0]
-    for i in range(args.workers):
-        kept[f"w{i}"] = feed(index, f"w{i}", args.blocks, rng)
-    gc.collect()
-    resident_bytes = tracemalloc.get_traced_memory()[0] - base
-    held_by_test = sum(len(v) for v in kept.values())
-    # The test's own list of hashes shares the int objects with the index: count them once.
-    own_lists = sum(v.__sizeof__() for v in kept.values())
-    per_block = (resident_bytes - own_lists) / held_by_test
-    before = tracemalloc.get_traced_memory()[0]
+    index = ResidencyIndex(workers)
+    resident_bytes = 0
+    for i, worker in enumerate(workers):
+        # The hashes are built before the measured phase and freed after it: only what the
+        # index itself keeps is counted.
+        hashes = worker_hashes(i, args.blocks)
+        before = traced()
+        feed(index, worker, hashes)
+        resident_bytes += traced() - before
+        del hashes
+    resident = args.workers * args.blocks
+    per_block = resident_bytes / resident
     evicted = 0
-    for worker, hashes in kept.items():
-        victims = hashes[: len(hashes) // 10]
+    grew = 0
+    for i, worker in enumerate(workers):
+        victims = worker_hashes(i, args.blocks)[: args.blocks // 10]
+        before = traced()
         evict(index, worker, victims, seq0=10_000_000)
+        grew += traced() - before
         evicted += len(victims)
-    gc.collect()
-    per_eviction = (tracemalloc.get_traced_memory()[0] - before) / evicted
-    print(f"{args.workers} workers x {args.blocks:,} resident blocks")
-    print(f"resident block:          {per_block:6.1f} bytes (dict slot + the hash int + shared seq)")
+        del victims
+    per_eviction = grew / evicted
+    tables = [t for v in index.current.values() for t in v.all_tables()]
+    table_bytes = sum(t.nbytes for t in tables)
+    print(f"{args.workers} workers x {args.blocks:,} resident blocks; table: {table_bytes / resident:.1f} bytes "
+          f"per resident block after evictions ({'compiled' if ACCELERATED else 'reference model'})")
+    print(f"resident block:           {per_block:6.1f} bytes (traced: table slots and the batch log)")
     print(f"retained eviction record: {per_eviction:6.1f} bytes more per evicted block")
 
 

@@ -75,23 +75,34 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=100_000)
     parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=3, help="passes over the requests; the quietest is kept")
     args = parser.parse_args()
     rng = random.Random(11)
     index, held, evicted = build(args.workers, args.blocks, rng)
     attributor = Attributor(index, DigestKey("bench-verdict-secret-0001"))
     reqs = requests(args.workers, args.requests, held, evicted, rng)
-    times = []
-    labels: dict[str, int] = {}
-    for facts in reqs:
-        t0 = time.perf_counter()
-        verdict = attributor.attribute(facts)
-        times.append(time.perf_counter() - t0)
-        labels[verdict.label.value] = labels.get(verdict.label.value, 0) + 1
-    times.sort()
-    pct = {q: times[min(len(times) - 1, int(q * len(times)))] * 1e6 for q in (0.5, 0.95, 0.99)}
-    print(f"{args.workers} workers x {args.blocks:,} blocks, {STEPS:,} steps each; {args.requests:,} requests")
+    passes = []
+    for _ in range(args.repeat):
+        wall, cpu = [], []
+        labels: dict[str, int] = {}
+        for facts in reqs:
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            verdict = attributor.attribute(facts)
+            wall.append(time.perf_counter_ns() - t0)
+            cpu.append(time.thread_time_ns() - c0)
+            labels[verdict.label.value] = labels.get(verdict.label.value, 0) + 1
+        passes.append((percentiles(wall), percentiles(cpu), labels))
+    wall_pct, cpu_pct, labels = min(passes, key=lambda p: p[0][0.99])
+    print(f"{args.workers} workers x {args.blocks:,} blocks, {STEPS:,} steps each; {args.requests:,} requests, "
+          f"best of {args.repeat} passes by wall-clock p99")
     print("labels: " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())))
-    print(f"verdict latency: p50 {pct[0.5]:.1f} us, p95 {pct[0.95]:.1f} us, p99 {pct[0.99]:.1f} us")
+    for name, pct in (("wall-clock", wall_pct), ("thread CPU", cpu_pct)):
+        print(f"verdict latency ({name}): p50 {pct[0.5]:.1f} us, p95 {pct[0.95]:.1f} us, p99 {pct[0.99]:.1f} us")
+
+
+def percentiles(ns: list[int]) -> dict[float, float]:
+    ns = sorted(ns)
+    return {q: ns[min(len(ns) - 1, int(q * len(ns)))] / 1e3 for q in (0.5, 0.95, 0.99)}
 
 
 if __name__ == "__main__":
