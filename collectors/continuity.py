@@ -8,6 +8,7 @@ so a test can build a stream in any state literally and compare actions with ``=
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import heapq
@@ -26,6 +27,12 @@ REPLAY_BACKOFF = 2.0  # each retry waits this many times longer: 2, 4, 8, 16 s b
 REPLAY_COOLDOWN_S = 30.0  # after a replay went unanswered, new holes are not asked for meanwhile
 RECOVERY_BUFFER_LIMIT = 10_000  # batches held while a hole is recovered; oldest dropped first
 TAIL_PROBE_INTERVAL_S = 0.5  # idle this long (nothing received): ask replay what follows our tail
+# The engine clock against kvmiss's, from receive lags (`LagWindow`): live batches received
+# within this long of the newest one, and never fewer than the newest CLOCK_MIN_SAMPLES;
+# kept as one minimum per 1/CLOCK_SLOTS of the window (constant memory).
+CLOCK_WINDOW_S = 30.0
+CLOCK_MIN_SAMPLES = 16
+CLOCK_SLOTS = 8
 
 
 class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +51,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     # at once rather than waiting for a live batch: a publisher that went quiet right after
     # a burst (or before we connected) would otherwise leave the stream INITIAL forever.
     replay_on_connect: bool = True
+    # How far back (seconds of receive time) the clock estimate looks; see `LagWindow`.
+    clock_window_s: float = CLOCK_WINDOW_S
 
 
 class Received(msgspec.Struct, frozen=True):
@@ -251,9 +260,13 @@ class StreamHealth(msgspec.Struct, kw_only=True):
     oldest_replayable_seq: int | None = None  # first seq of the latest replay reply
     peak_batches_per_s: int = 0  # most batches in one whole second of engine ``ts``
     # Receive time (kvmiss clock) minus publish time (engine clock) of the last live batch:
-    # delivery delay plus clock skew. Negative, or above `[history] clock_skew_s`, means the
-    # engine's clock is off by more than kvmiss assumes -- verdicts near a step can be wrong.
+    # delivery delay plus clock skew. One batch's view: a stall or a backlog moves it.
     receive_lag_s: float | None = None
+    # The smallest receive lag of the recent live batches (`LagWindow`): the clock offset
+    # (kvmiss minus engine) plus the quickest delivery, never below the offset itself. This,
+    # not the last batch's lag, decides whether the worker's timing is trusted against
+    # `[history] clock_skew_s` (the service's `ClockOffset`); one late batch does not move it.
+    receive_lag_min_s: float | None = None
     # Tail probes (not counted in replays_* above): sent (retries included); answered with
     # proof of an idle tail; answered with batches lost live (then applied); answered without
     # our last batch (a restarted process or an empty ring: nothing proven); superseded by a
@@ -264,6 +277,64 @@ class StreamHealth(msgspec.Struct, kw_only=True):
     tail_unverified: int = 0
     tail_probes_superseded: int = 0
     tail_probes_unanswered: int = 0
+
+
+class LagWindow:
+    """Sliding minimum of the receive lag of one worker's live batches.
+
+    The rule: a live batch's receive lag (kvmiss receive time minus the engine's ``ts``) is
+    the clock offset (kvmiss clock minus engine clock) plus that batch's delivery delay, and
+    a delay is never negative. So the smallest lag over recent batches estimates the offset
+    from above, and late batches -- a stall, a backlog drained, a slow hop -- only raise
+    lags, never the minimum: one of them cannot make a worker look skewed. Replayed batches
+    arrive late by design and are not measured (the caller's job). "Recent" is every live
+    batch received within ``window_s`` of the newest one, and never fewer than the newest
+    ``min_samples`` (after an idle spell, the first batch back does not decide alone). A
+    clock that moved shows within the window: a lag below every earlier one at once, a lag
+    above the old minimum once the old samples have left.
+
+    Kept as one (start, minimum, count) slot per ``window_s / slots`` of receive time:
+    memory is bounded by ``slots + min_samples + 1`` slots whatever the batch rate.
+    Receive times come from one non-decreasing clock; one that steps back joins the
+    newest slot.
+    """
+
+    def __init__(self, window_s: float = CLOCK_WINDOW_S, min_samples: int = CLOCK_MIN_SAMPLES,
+                 slots: int = CLOCK_SLOTS) -> None:
+        self.window_s = max(0.0, window_s)
+        self.min_samples = max(1, min_samples)
+        self._width = self.window_s / max(1, slots)
+        self._slots: collections.deque[list] = collections.deque()  # [start, min lag, count]
+        self._count = 0
+        self.minimum: float | None = None
+
+    def __len__(self) -> int:
+        """Samples in the window."""
+        return self._count
+
+    def add(self, recv_ts: float, lag: float) -> float:
+        """Take one live batch's lag; return the window's minimum lag."""
+        slots = self._slots
+        if slots and recv_ts < slots[-1][0] + self._width:
+            newest = slots[-1]
+            newest[1] = min(newest[1], lag)
+            newest[2] += 1
+        else:
+            slots.append([recv_ts, lag, 1])
+        self._count += 1
+        horizon = recv_ts - self.window_s
+        evicted = False
+        # The oldest slot goes once every sample in it is older than the window and the
+        # newer slots still hold at least `min_samples`.
+        while (len(slots) > 1 and slots[0][0] + self._width <= horizon
+               and self._count - slots[0][2] >= self.min_samples):
+            self._count -= slots.popleft()[2]
+            evicted = True
+        if evicted or self.minimum is None:
+            self.minimum = min(slot[1] for slot in slots)
+        else:
+            self.minimum = min(self.minimum, lag)
+        return self.minimum
 
 
 def bump(counter: dict, key: enum.Enum, by: int = 1) -> None:

@@ -39,8 +39,8 @@ The rules (shared/spec/ATTRIBUTION.md 1-3, shared/reference/WIRE.md):
 from __future__ import annotations
 
 from kvmiss.collectors.continuity import (
-    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
-    Quarantine, Quarantined, Received, Recovery, RecoveryPurpose, Release, ReorderBuffer,
+    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, LagWindow,
+    NewEpoch, Quarantine, Quarantined, Received, Recovery, RecoveryPurpose, Release, ReorderBuffer,
     RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, TailConfirmed,
     Unverified, bump, instance_from_topic,
 )
@@ -79,6 +79,7 @@ class WorkerStream:
         self._now: float | None = None
         self._rate_second: int | None = None
         self._rate_count = 0
+        self._lags = LagWindow(config.clock_window_s)  # kept across epochs: a host's clock
 
     # --- what the owner reads ---------------------------------------------------------------
 
@@ -521,7 +522,8 @@ class WorkerStream:
         health.batches_replayed += replayed
         health.last_contiguous_seq = seq
         if not replayed:  # a replayed batch arrives late by design
-            health.receive_lag_s = recv_ts - ts
+            health.receive_lag_s = lag = recv_ts - ts
+            health.receive_lag_min_s = self._lags.add(recv_ts, lag)
         second = int(ts // 1)
         self._rate_count = self._rate_count + 1 if second == self._rate_second else 1
         self._rate_second = second

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from kvmiss.enricher.divergence import diverge
-from kvmiss.enricher.evidence import gather
+from kvmiss.enricher.evidence import Clocks, gather
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.privacy import DigestKey
 from kvmiss.enricher.verdict import attribute, lookup_limit_tokens
@@ -28,10 +28,14 @@ class Attributor:
     """Judges requests against one residency index. Not thread-safe (the index is not)."""
 
     def __init__(self, index: ResidencyIndex, digest_key: DigestKey | None = None, *,
-                 aged_out_as_recent_match: bool = False):
+                 aged_out_as_recent_match: bool = False, clocks: Clocks | None = None):
+        """``clocks``: each worker's measured engine-clock offset at judging time (the
+        service's stream health); None where kvmiss and the engines share one clock or
+        nothing was measured (offline, in-process), and then no clock is checked."""
         self.index = index
         self.digest_key = digest_key
         self.aged_out_as_recent_match = aged_out_as_recent_match
+        self.clocks = clocks
 
     def attribute(self, facts: RequestFacts) -> Verdict:
         needs_evidence = (
@@ -39,7 +43,8 @@ class Attributor:
             and facts.cached_tokens < lookup_limit_tokens(facts.prompt_tokens, facts.block_size)
         )
         evidence = (
-            gather(self.index, facts, aged_out_as_recent_match=self.aged_out_as_recent_match)
+            gather(self.index, facts, aged_out_as_recent_match=self.aged_out_as_recent_match,
+                   clocks=self.clocks)
             if needs_evidence else None
         )
         digest = self.digest_key.digest_block if self.digest_key is not None else None

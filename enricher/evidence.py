@@ -24,14 +24,23 @@ before t has no batch stamped after t. A tail confirmation (the publisher had no
 the last applied batch when it answered a probe sent at least ``index.tail_margin_s`` after
 t) proves its history reaches t; the lookup step is then the virtual step after the last
 applied batch (`EpochView.lookup_step`): everything applied came before t.
+
+Clocks: every claim above places a worker's event times (its engine clock) against t, and
+tail confirmations against kvmiss's clock, trusting each engine clock to be within
+``[history] clock_skew_s`` of kvmiss's. ``clocks(worker)`` says what the service measured
+(`ClockOffset`, from the sliding minimum of receive lags of live batches; None: nothing
+measured). The chosen worker's goes into the evidence as a fact, judged by the verdict:
+out of bound, no claim about it stands. Another worker whose clock is out of bound is
+consulted for nothing: neither a holder nor ruled out (`Evidence.skewed_workers`).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from kvmiss.enricher.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
 from kvmiss.schemas.attribution import (
+    ClockOffset,
     Evidence,
     History,
     Holder,
@@ -158,14 +167,24 @@ def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MAR
     return view.horizon_ts is None or t >= view.horizon_ts or key not in view.pruned
 
 
-def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[tuple[Holder, ...], tuple[History, ...]]:
-    """Every other tracked worker: who provably held H at t, and why the rest that may have
-    cannot be ruled out. Both decide whether a label below routing_miss is provable."""
+Clocks = Callable[[str], ClockOffset | None]  # worker id -> its measured clock, None: unmeasured
+
+
+def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
+           ) -> tuple[tuple[Holder, ...], tuple[History, ...], tuple[ClockOffset, ...]]:
+    """Every other tracked worker: who provably held H at t, why the rest that may have
+    cannot be ruled out, and which were not consulted because their clock is out of bound.
+    All three decide whether a label below routing_miss is provable."""
     holders: list[Holder] = []
     unresolved: list[History] = []
+    skewed: list[ClockOffset] = []
     margin = index.tail_margin_s
     for worker in index.tracked:
         if worker == chosen:
+            continue
+        clock = clocks(worker) if clocks is not None else None
+        if clock is not None and not clock.within_bound:
+            skewed.append(clock)  # its event times cannot be placed against t
             continue
         views = index.views(worker)
         view = _choose_view(views, None, t, margin) if views else None
@@ -181,7 +200,7 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float) -> tuple[tupl
             holders.append(Holder(worker, medium, held.node.stored_ts))  # type: ignore[arg-type]
         elif held.unresolved is not None:
             unresolved.append(held.unresolved)
-    return tuple(holders), tuple(unresolved)
+    return tuple(holders), tuple(unresolved), tuple(skewed)
 
 
 def gather(
@@ -189,26 +208,30 @@ def gather(
     facts: RequestFacts,
     *,
     aged_out_as_recent_match: bool = False,
+    clocks: Clocks | None = None,
 ) -> Evidence:
     """Judge the request's first-miss block against the index at its lookup time.
 
     ``aged_out_as_recent_match``: when a dropped record might have been H's, answer
     "no recent match" over the retained window instead of "aged out" (opt-in: it is true
     that H was not resident in the window, but it cannot tell evicted from never stored).
+    ``clocks``: each tracked worker's measured clock offset (see the module docstring);
+    None when the deployment does not measure it (offline, in-process: one host's clock).
     """
     worker, t = facts.worker, facts.lookup_time
     if worker is None or worker not in index.tracked:
         return Evidence(history=History.UNTRACKED)
+    clock = clocks(worker) if clocks is not None else None
     views = index.views(worker)
     if not views:
-        return Evidence(history=History.LAGGING)  # tracked, but nothing applied yet
+        return Evidence(history=History.LAGGING, clock=clock)  # tracked, nothing applied yet
     if t is None:
-        return Evidence(history=History.LAGGING, epoch=views[0].epoch)
+        return Evidence(history=History.LAGGING, epoch=views[0].epoch, clock=clock)
     margin = index.tail_margin_s
     view = _choose_view(views, facts.instance_hint, t, margin)
     if view is None or not view.epoch_certain:
-        return Evidence(history=History.EPOCH_UNKNOWN)
-    base = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts)
+        return Evidence(history=History.EPOCH_UNKNOWN, clock=clock)
+    base = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts, clock=clock)
     if view.horizon_ts is not None and t < view.horizon_ts:
         return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)
     step_seq = view.lookup_step(t, margin)
@@ -218,7 +241,7 @@ def gather(
     run = view.run_at_step(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
-    holders, unresolved = _fleet(index, worker, key, t) if key is not None else ((), ())
+    holders, unresolved, skewed = _fleet(index, worker, key, t, clocks) if key is not None else ((), (), ())
     tiers: list[TierHolding] = []
     for medium in view.media:
         if medium != GPU and key is not None:
@@ -227,7 +250,8 @@ def gather(
                 tiers.append(TierHolding(medium, held.node.stored_ts))
             elif held.unresolved is not None:
                 unresolved += (held.unresolved,)
-    base.update(holders=holders, tiers=tuple(tiers), unresolved_holders=unresolved)
+    base.update(holders=holders, tiers=tuple(tiers), unresolved_holders=unresolved,
+                skewed_workers=skewed)
     if _quarantined(view, run, step_seq):
         return Evidence(history=History.QUARANTINED, gap_from_seq=run.gap_from_seq,
                         gap_to_seq=run.gap_to_seq, **base)

@@ -22,7 +22,7 @@ from prometheus_client.samples import Exemplar
 
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
-from kvmiss.schemas.attribution import LABEL_OWNER, Label
+from kvmiss.schemas.attribution import LABEL_OWNER, ClockOffset, Label
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
 NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
@@ -37,8 +37,10 @@ class KvmissCollector(Collector):
         unknown_budget: float = 0.05,
         exemplars: dict[tuple[Label, str, str], str] | None = None,
         exports: Callable[[], list] = list,
+        clock_bounds: tuple[float, float] | None = None,
     ):
         self.stats = stats
+        self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
         self.streams = streams
         self.exports = exports  # the service's ExportQueues
         self.unknown_budget = unknown_budget
@@ -125,7 +127,9 @@ class KvmissCollector(Collector):
             "contiguous": GaugeMetricFamily("kvmiss_stream_last_contiguous_seq", "Last sequence applied with continuity.", labels=w),
             "oldest": GaugeMetricFamily("kvmiss_stream_oldest_replayable_seq", "First sequence of the latest replay reply.", labels=w),
             "peak": GaugeMetricFamily("kvmiss_stream_peak_batches_per_second", "Most batches in one second of engine time.", labels=w),
-            "lag": GaugeMetricFamily("kvmiss_stream_receive_lag_seconds", "Receive time minus engine publish time of the last live batch: delivery delay plus clock skew (alert when below 0 or above history.clock_skew_s).", labels=w),
+            "lag": GaugeMetricFamily("kvmiss_stream_receive_lag_seconds", "Receive time minus engine publish time of the last live batch: delivery delay plus clock skew.", labels=w),
+            "lag_min": GaugeMetricFamily("kvmiss_stream_receive_lag_min_seconds", "Smallest receive lag of the recent live batches (history.clock_skew_window_s): the clock offset, kvmiss minus engine, plus the quickest delivery.", labels=w),
+            "skewed": GaugeMetricFamily("kvmiss_stream_clock_out_of_bounds", "1 while the smallest receive lag is below -history.clock_skew_s or above clock_skew_s + publish_delay_s: verdicts relying on the worker's timing are unknown_history (clock skew).", labels=w),
             "tail_probes": CounterMetricFamily("kvmiss_stream_tail_probes", "Tail probes sent to a quiet worker's replay endpoint, retries included.", labels=w),
             "tail_confirmations": CounterMetricFamily("kvmiss_stream_tail_confirmations", "Tail probes that proved a worker idle since its last batch.", labels=w),
             "tail_recoveries": CounterMetricFamily("kvmiss_stream_tail_recoveries", "Tail probes that found batches lost live and applied them.", labels=w),
@@ -150,6 +154,11 @@ class KvmissCollector(Collector):
             fams["peak"].add_metric([worker], h.peak_batches_per_s)
             if h.receive_lag_s is not None:
                 fams["lag"].add_metric([worker], h.receive_lag_s)
+            if h.receive_lag_min_s is not None:
+                fams["lag_min"].add_metric([worker], h.receive_lag_min_s)
+                if self.clock_bounds is not None:
+                    within = ClockOffset(h.receive_lag_min_s, *self.clock_bounds).within_bound
+                    fams["skewed"].add_metric([worker], 0.0 if within else 1.0)
             fams["tail_probes"].add_metric([worker], h.tail_probes)
             fams["tail_confirmations"].add_metric([worker], h.tail_confirmations)
             fams["tail_recoveries"].add_metric([worker], h.tail_recoveries)

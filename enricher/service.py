@@ -37,7 +37,7 @@ from kvmiss.enricher.privacy import DigestKey, load_digest_key
 from kvmiss.enricher.otlp import ConsumeResult, Outcome, span_count
 from kvmiss.enricher.receiver import Receivers, parse_listen
 from kvmiss.enricher.spans import SpanReader
-from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
+from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
 from kvmiss.schemas.config import Config
 
 log = logging.getLogger("kvmiss.serve")
@@ -85,12 +85,18 @@ class Service:
                                     retention_s=history.retention_s,
                                     tail_margin_s=history.clock_skew_s + history.publish_delay_s)
         self.digest_key = self._digest_key()
+        # The bound each worker's receive lag must keep for its timing to be trusted (see
+        # `ClockOffset`): -skew .. skew + publish delay.
+        self.clock_bounds = (-history.clock_skew_s, history.clock_skew_s + history.publish_delay_s)
+        self._skewed: set[str] = set()  # workers last seen out of bound, for the log
         self.attributor = Attributor(self.index, self.digest_key,
-                                     aged_out_as_recent_match=config.history.aged_out_as_recent_match)
+                                     aged_out_as_recent_match=config.history.aged_out_as_recent_match,
+                                     clocks=self.worker_clock)
         # Filled on the collector thread, drained in order on the loop (the index's thread).
         self.feed = IndexFeed(self.index, clock)
         self.fleet = Fleet(config.workers, self._on_stream_action,
-                           config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None))
+                           config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None,
+                                               clock_window_s=history.clock_skew_window_s))
         self.subscriber = Subscriber(self.fleet, clock=clock)
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]
@@ -110,7 +116,7 @@ class Service:
         self.registry.register(KvmissCollector(
             self.pipeline.stats, lambda: self.fleet.streams,
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
-            exports=lambda: self.queues))
+            exports=lambda: self.queues, clock_bounds=self.clock_bounds))
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
         self._ticker: asyncio.Task | None = None
@@ -140,6 +146,28 @@ class Service:
         this service's clock, the subscriber's); other stream facts are logged once each."""
         if not self.feed.put(worker, action):
             log.info("worker %s: %s", worker, _describe(action))
+
+    def worker_clock(self, worker: str) -> ClockOffset | None:
+        """A worker's engine clock against ours when a request is judged (loop thread): the
+        sliding minimum of its live batches' receive lags, which the collector thread keeps
+        in its stream health (one float, written whole), against `clock_bounds`. None until
+        a live batch was received. A worker crossing the bound either way is logged once."""
+        stream = self.fleet.streams.get(worker)
+        lag = stream.health.receive_lag_min_s if stream is not None else None
+        if lag is None:
+            return None
+        clock = ClockOffset(lag, *self.clock_bounds)
+        if clock.within_bound == (worker in self._skewed):
+            if clock.within_bound:
+                self._skewed.discard(worker)
+                log.warning("worker %s: engine clock back within the skew bound (receive lag %.3f s): "
+                            "judged again", worker, lag)
+            else:
+                self._skewed.add(worker)
+                log.warning("worker %s: engine clock beyond the skew bound (receive lag %.3f s, "
+                            "bound %.3f..%.3f s): verdicts relying on its timing are unknown_history",
+                            worker, lag, *self.clock_bounds)
+        return clock
 
     def _on_verdict(self, facts: RequestFacts, verdict: Verdict, trace_id: bytes) -> None:
         self.exemplars[self.pipeline.metric_key(facts, verdict)] = trace_id.hex()

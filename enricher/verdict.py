@@ -7,6 +7,15 @@ first rule that holds wins:
       -> (chosen worker's history insufficient: unknown_epoch / unknown_history)
       -> resident_miss -> evicted -> no_match
 
+One fact comes before every claim the index makes: the chosen worker's clock. Every such
+claim (tier residency, another worker's hold, the chosen worker's own history) places event
+times against the lookup time t, stamped on that worker's engine clock, and tail
+confirmations on kvmiss's; with the engine clock out of the configured bound
+(``Evidence.clock``, `ClockOffset.within_bound`) none of them stands, so the answer is
+``unknown_history`` (reason "clock skew") right after the span-only transfer_failure. Other
+workers out of bound (``Evidence.skewed_workers``) were not consulted: like unresolved
+holders, they leave every label below routing_miss unprovable.
+
 It is pure (no index, socket, clock or logging) and never raises on bad input: facts that
 cannot be judged are an ``unknown_history`` verdict, because a wrong cause is worse than an
 honest unknown. It trusts ``Evidence`` to be built as documented there (holders and tiers
@@ -25,6 +34,7 @@ from typing import Any
 
 from kvmiss.schemas.attribution import (
     LABEL_OWNER,
+    ClockOffset,
     Evidence,
     History,
     Label,
@@ -96,6 +106,7 @@ def attribute(
     }
     if first_miss is not None and digest is not None:
         known["first_miss_digest"] = digest(first_miss)
+    from_request = dict(known)  # what holds whatever the clocks say
     if evidence is not None:
         known.update(_evidence_facts(evidence, facts.lookup_time))
 
@@ -120,6 +131,12 @@ def attribute(
     if evidence is None:
         reason = _untracked_reason(facts)
         return _verdict(Label.UNKNOWN_HISTORY, reason, history=History.UNTRACKED, **known)
+
+    # The chosen worker's clock out of bound: t cannot be placed against any event time,
+    # so no timed fact (holders, eviction age, store/removal, window) is reported either.
+    if evidence.clock is not None and not evidence.clock.within_bound:
+        return _verdict(Label.UNKNOWN_HISTORY, _clock_reason(evidence.clock), **from_request,
+                        history=evidence.history, epoch=evidence.epoch)
 
     # transfer_failure, from tier residency on the chosen worker.
     if evidence.tiers:
@@ -154,6 +171,8 @@ def attribute(
     if evidence.unresolved_holders:
         return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence),
                         **{**known, "history": evidence.unresolved_holders[0]})
+    if evidence.skewed_workers:
+        return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence), **known)
 
     # resident_miss / evicted / no_match: with continuous history, where H stood on the
     # chosen worker at the lookup time decides.
@@ -287,9 +306,22 @@ _UNRESOLVED_TEXT = {
 }
 
 
+def _clock_reason(clock: ClockOffset) -> str:
+    """Which way the chosen worker's engine clock is off, against which bound. The lag is the
+    offset plus the quickest delivery: below the bound it proves the engine runs ahead by at
+    least that much; above it, every recent batch arrived that late (the engine runs behind)."""
+    bound = f"outside the bound (receive lag {clock.low_s:.3f}..{clock.high_s:.3f} s)"
+    if clock.lag_s < clock.low_s:
+        return (f"clock skew: the chosen worker's engine clock is at least {-clock.lag_s:.3f} s "
+                f"ahead of kvmiss's, {bound}: its event times cannot be placed against lookup")
+    return (f"clock skew: the chosen worker's events arrive at least {clock.lag_s:.3f} s after "
+            f"their engine timestamps, {bound}: its engine clock runs behind kvmiss's")
+
+
 def _unresolved_reason(evidence: Evidence) -> str:
-    count = len(evidence.unresolved_holders)
-    why = sorted({_UNRESOLVED_TEXT.get(h, h.value) for h in evidence.unresolved_holders})
+    count = len(evidence.unresolved_holders) + len(evidence.skewed_workers)
+    why = sorted({_UNRESOLVED_TEXT.get(h, h.value) for h in evidence.unresolved_holders}
+                 | ({"with a clock beyond the skew bound"} if evidence.skewed_workers else set()))
     return (
         f"whether another worker held the first missed block at lookup is not established "
         f"({count} stream{'s' if count > 1 else ''} {', '.join(why)}), so routing cannot be ruled out"

@@ -132,6 +132,34 @@ class Holder(msgspec.Struct, frozen=True):
     stored_ts: float | None
 
 
+class ClockOffset(msgspec.Struct, frozen=True):
+    """A worker's engine clock against kvmiss's, as measured when a request is judged.
+
+    ``lag_s``: the smallest receive lag (kvmiss receive time minus engine ``ts``) of the
+    worker's recent live batches (collectors.continuity.LagWindow) -- the clock offset
+    (kvmiss minus engine) plus the quickest delivery, so never below the offset. The
+    worker's timing is trusted while ``low_s <= lag_s <= high_s``:
+
+    * ``low_s = -history.clock_skew_s``: a lag below it proves the engine clock runs ahead
+      of kvmiss's by more than the bound (a delivery takes no negative time);
+    * ``high_s = history.clock_skew_s + history.publish_delay_s``: a lag above it, for every
+      recent batch, means the engine clock runs behind by more than the bound, unless no
+      batch was delivered within the publish delay (then the bound on that is broken).
+
+    Outside, kvmiss's assumptions about the worker's clock are broken: lookup times and
+    tail probes cannot be placed against its event times, and no claim resting on them is
+    made (``unknown_history``, reason "clock skew"). Back inside, it is judged again.
+    """
+
+    lag_s: float
+    low_s: float
+    high_s: float
+
+    @property
+    def within_bound(self) -> bool:
+        return self.low_s <= self.lag_s <= self.high_s
+
+
 class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     """What the residency index proves about H = h[C // B] at the lookup time t.
 
@@ -167,6 +195,14 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # H was stored twice in the lookup's own engine step: one copy may predate the lookup
     # (a request that skips the prefix cache), so absence or eviction is not provable.
     same_step_copies: bool = False
+    # The chosen worker's clock at judging time (None: not measured, no live batch yet, or
+    # a deployment that does not measure it). Out of bound, no index claim stands.
+    clock: ClockOffset | None = None
+    # Other tracked workers whose clock is out of bound: every fleet claim about them
+    # (held H at t, or provably did not) compares their event times with t, so they are
+    # neither holders nor ruled out -- like `unresolved_holders`, no label below
+    # routing_miss is provable while any remain.
+    skewed_workers: tuple[ClockOffset, ...] = ()
 
 
 class DivergenceKind(str, enum.Enum):

@@ -129,6 +129,13 @@ class HistoryConfig(_Section):
     # probe answered sooner says nothing about that step. A confirmation sent at `at` proves
     # history through `at - clock_skew_s - publish_delay_s`.
     publish_delay_s: float = 1.0
+    # How the bound is checked: each worker's smallest receive lag (kvmiss receive time
+    # minus engine ts) over its live batches of the last this-many seconds (and at least
+    # its last 16) estimates its clock offset; below -clock_skew_s, or above clock_skew_s +
+    # publish_delay_s, every verdict relying on its timing is unknown_history (clock skew)
+    # until it is back within. Longer: slower to notice a clock falling behind, and to
+    # trust one that came back from running ahead; shorter: a long stall can flip it.
+    clock_skew_window_s: float = 30.0
 
 
 class Config(_Section):
@@ -202,5 +209,7 @@ def _check(config: Config, source: str) -> None:
     if history.tail_probe_interval_s < 0 or history.clock_skew_s < 0 or history.publish_delay_s < 0:
         raise ConfigError(f"{source}: history.tail_probe_interval_s, clock_skew_s and "
                           "publish_delay_s must be >= 0 (tail_probe_interval_s = 0 disables probes)")
+    if not history.clock_skew_window_s > 0:
+        raise ConfigError(f"{source}: history.clock_skew_window_s must be positive")
     if config.privacy.digest_key and config.privacy.digest_key_env:
         raise ConfigError(f"{source}: privacy: set digest_key or digest_key_env, not both")

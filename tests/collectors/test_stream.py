@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvmiss.collectors.continuity import (
-    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
-    Quarantine, Release, RequestReplay, Run, StreamConfig, StreamState, TailConfirmed, Unverified,
+    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, LagWindow,
+    NewEpoch, Quarantine, Release, RequestReplay, Run, StreamConfig, StreamState, TailConfirmed, Unverified,
     instance_from_topic, worker_id,
 )
 from kvmiss.collectors.frames import BatchMessage, Channel, FrameError, ReplayEnd, parse_live
@@ -652,3 +652,73 @@ def test_the_receive_lag_of_live_batches_shows_delivery_delay_plus_clock_skew():
     assert stream.health.receive_lag_s == 0.25
     stream.on_live(live(1, ts=1001.0), now=1000.75)  # the engine's clock runs ahead of ours
     assert stream.health.receive_lag_s == -0.25
+
+
+class TestClockWindow:
+    """The clock estimate the service checks against ``[history] clock_skew_s``: the sliding
+    minimum of live batches' receive lags (lag = offset + delivery delay, delay >= 0)."""
+
+    def test_the_minimum_lag_of_live_batches_estimates_the_offset_and_ignores_one_late_batch(self):
+        stream = WorkerStream("w0", replay=True, config=StreamConfig(clock_window_s=10.0))
+        for seq in range(5):
+            stream.on_live(live(seq, ts=1000.0 + seq), now=1000.05 + seq)
+        assert stream.health.receive_lag_min_s == pytest.approx(0.05)
+        stream.on_live(live(5, ts=1005.0), now=1009.0)  # a 4 s stall on the way
+        assert stream.health.receive_lag_s == pytest.approx(4.0)  # the last batch's lag moves
+        assert stream.health.receive_lag_min_s == pytest.approx(0.05)  # the estimate does not
+
+    def test_replayed_batches_are_not_measured(self):
+        stream = stream_at(4)
+        (request,) = [a for a in stream.on_live(live(7, ts=1007.0), now=1007.1)
+                      if isinstance(a, RequestReplay)]
+        answer(stream, request.request_id, [5, 6], now=1100.0)  # 90 s late, by design
+        assert stream.health.batches_replayed == 2
+        assert stream.health.receive_lag_min_s == pytest.approx(0.1)
+
+    def test_an_engine_clock_that_jumps_ahead_shows_at_once(self):
+        window = LagWindow(10.0)
+        for i in range(20):
+            window.add(100.0 + i, 0.02)
+        assert window.add(120.0, -3.0) == -3.0  # no delivery takes negative time: proof
+
+    def test_an_engine_clock_that_falls_behind_shows_once_the_older_samples_left_the_window(self):
+        window = LagWindow(10.0, min_samples=4, slots=5)
+        for i in range(20):
+            window.add(100.0 + i * 0.5, 0.02)  # 100.0 .. 109.5
+        lags = [window.add(110.0 + i * 0.5, 3.0) for i in range(30)]  # 110.0 .. 124.5
+        assert lags[0] == 0.02  # the earlier, quicker deliveries still bound the offset
+        first_behind = next(i for i, lag in enumerate(lags) if lag == 3.0)
+        # not before the last quick sample is a window old, and at most one slot after
+        assert 109.5 + 10.0 <= 110.0 + first_behind * 0.5 <= 109.5 + 10.0 + 10.0 / 5
+
+    def test_after_an_idle_spell_the_first_batches_back_do_not_decide_alone(self):
+        window = LagWindow(1.0, min_samples=16)
+        for i in range(16):
+            window.add(100.0 + i * 0.01, 0.02)
+        assert window.add(500.0, 7.0) == 0.02  # one lagging batch after 400 s idle
+        for i in range(14):
+            window.add(500.1 + i * 0.01, 7.0)
+        assert window.minimum == 0.02
+        assert window.add(500.3, 7.0) == 7.0  # 16 newer samples, all of them late: it shows
+        assert len(window) == 16
+
+    def test_memory_is_bounded_whatever_the_batch_rate(self):
+        window = LagWindow(2.0, min_samples=16, slots=8)
+        for i in range(100_000):
+            window.add(i * 0.001, (i % 97) / 1000)  # 1000 batches/s for 100 s
+        assert len(window._slots) <= 8 + 16 + 1
+        assert window.minimum == 0.0
+
+    def test_a_receive_clock_stepping_back_joins_the_newest_slot(self):
+        window = LagWindow(10.0)
+        window.add(100.0, 0.5)
+        window.add(90.0, 0.4)
+        assert window.minimum == 0.4 and len(window._slots) == 1
+
+    def test_the_window_survives_an_epoch_change(self):
+        """The clock is the host's: a restarted process on it keeps the same offset."""
+        stream = stream_at(9)
+        stream.on_live(live(10, ts=1000.0), now=1000.1)
+        stream.on_live(live(0, ts=1001.0), now=1004.0)  # seq reset: a new process, 3 s late
+        assert stream.state.epoch == 43
+        assert stream.health.receive_lag_min_s == pytest.approx(0.1)

@@ -3,11 +3,13 @@ evidence level, plus the timing, reference-counting, retention and fleet rules."
 
 from __future__ import annotations
 
+import msgspec
 from fleet_builders import PARENT, H, WorkerFeed, cleared, removed, request, stored
 
 from kvmiss.enricher.evidence import gather
 from kvmiss.enricher.index import ResidencyIndex, canonical_medium
-from kvmiss.schemas.attribution import History, Presence, WindowStart
+from kvmiss.enricher.attribution import Attributor
+from kvmiss.schemas.attribution import ClockOffset, History, Label, Presence, WindowStart
 from kvmiss.schemas.stream import RunStart
 
 
@@ -301,3 +303,72 @@ def test_the_pruned_filter_stays_accurate_however_many_records_are_dropped():
     false_positives = sum(h in pruned for h in others) / len(others)
     assert false_positives < 0.01
     assert pruned.bytes_used < 4 * len(dropped)  # a few bytes per dropped record
+
+
+IN_BOUND, AHEAD, BEHIND = ClockOffset(0.05, -0.25, 1.25), ClockOffset(-2.0, -0.25, 1.25), ClockOffset(3.0, -0.25, 1.25)
+
+
+class TestClocks:
+    """What the service measured of each worker's clock (`ClockOffset`) reaches the evidence:
+    the chosen worker's as a fact for the verdict; another worker's, out of bound, keeps it
+    out of the fleet view (neither a holder nor ruled out)."""
+
+    def fleet(self):
+        """A stores then evicts H; B stores H and keeps it; C never has it. t = 1015.5."""
+        index = ResidencyIndex()
+        a, b, c = WorkerFeed("A"), WorkerFeed("B"), WorkerFeed("C")
+        feed(index, a.batches(range(0, 20), {2: [stored(H)], 8: [removed(H)]}))
+        feed(index, b.batches(range(0, 20), {3: [stored(H)]}))
+        feed(index, c.batches(range(0, 20)))
+        return index, 1015.5
+
+    def test_the_chosen_workers_clock_is_carried_as_measured_on_every_path(self):
+        index, t = self.fleet()
+        clocks = {"A": AHEAD, "B": IN_BOUND, "C": IN_BOUND}.get
+        assert gather(index, request("A", t), clocks=clocks).clock == AHEAD
+        assert gather(index, request("A", 5000.0), clocks=clocks).clock == AHEAD  # lagging
+        assert gather(index, request("A", None), clocks=clocks).clock == AHEAD
+        assert gather(index, request("A", t)).clock is None  # not measured: no fact
+
+    def test_in_bound_clocks_change_nothing(self):
+        index, t = self.fleet()
+        clocks = {"A": IN_BOUND, "B": IN_BOUND, "C": IN_BOUND}.get
+        ev = gather(index, request("A", t), clocks=clocks)
+        assert ev == msgspec.structs.replace(gather(index, request("A", t)), clock=IN_BOUND)
+        assert [h.worker for h in ev.holders] == ["B"] and ev.skewed_workers == ()
+        assert ev.presence is Presence.EVICTED
+
+    def test_a_holder_whose_clock_is_out_of_bound_is_no_proof(self):
+        index, t = self.fleet()
+        ev = gather(index, request("A", t), clocks={"A": IN_BOUND, "B": BEHIND, "C": IN_BOUND}.get)
+        assert ev.holders == () and ev.skewed_workers == (BEHIND,)
+        assert ev.presence is Presence.EVICTED  # the chosen worker's own evidence stands
+
+    def test_a_worker_that_never_had_the_block_is_not_ruled_out_either_while_out_of_bound(self):
+        """Its absence at t also rests on its event times (its history reaching t)."""
+        index, t = self.fleet()
+        ev = gather(index, request("B", t, first_miss=H + 1), clocks={"A": IN_BOUND, "B": IN_BOUND, "C": AHEAD}.get)
+        assert ev.skewed_workers == (AHEAD,) and ev.unresolved_holders == ()
+
+    def test_unmeasured_workers_are_consulted_as_before(self):
+        index, t = self.fleet()
+        ev = gather(index, request("A", t), clocks={"A": IN_BOUND}.get)
+        assert [h.worker for h in ev.holders] == ["B"] and ev.skewed_workers == ()
+
+    def test_through_the_attributor_out_of_bound_then_back(self):
+        index, t = self.fleet()
+        measured = {"A": IN_BOUND, "B": IN_BOUND, "C": IN_BOUND}
+        attributor = Attributor(index, clocks=measured.get)
+        assert attributor.attribute(request("A", t)).label is Label.ROUTING_MISS
+        assert attributor.attribute(request("C", t)).label is Label.ROUTING_MISS
+        measured["A"] = BEHIND
+        skewed = attributor.attribute(request("A", t))
+        assert skewed.label is Label.UNKNOWN_HISTORY and skewed.reason.startswith("clock skew:")
+        # C's own verdict does not rest on A's timing: B, in bound, held H at t
+        assert attributor.attribute(request("C", t)).label is Label.ROUTING_MISS
+        measured["B"] = AHEAD  # now the only holder is out of bound too
+        c = attributor.attribute(request("C", t))
+        assert c.label is Label.UNKNOWN_HISTORY and "2 streams with a clock beyond" in c.reason
+        measured["A"] = measured["B"] = IN_BOUND  # back within: judged again
+        assert attributor.attribute(request("A", t)).label is Label.ROUTING_MISS
+        assert attributor.attribute(request("C", t)).label is Label.ROUTING_MISS

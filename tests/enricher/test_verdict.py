@@ -6,11 +6,15 @@ these tests pin what the verdict concludes from it, not how the index proves it.
 
 from __future__ import annotations
 
+import math
+
+import msgspec
 import pytest
 
 from kvmiss.enricher.verdict import attribute, lookup_limit_tokens
 from kvmiss.schemas.attribution import (
     LABEL_OWNER,
+    ClockOffset,
     Evidence,
     History,
     Holder,
@@ -395,3 +399,87 @@ class TestBadFacts:
     def test_an_engine_reusing_beyond_its_lookup_limit_is_a_hit(self):
         assert attribute(request(prompt=32, cached=32), None).label is Label.HIT
 
+
+
+SKEW, DELAY = 0.25, 1.0  # [history] clock_skew_s, publish_delay_s
+LOW, HIGH = -SKEW, SKEW + DELAY  # the receive-lag bound
+
+
+def clock(lag: float) -> ClockOffset:
+    return ClockOffset(lag_s=lag, low_s=LOW, high_s=HIGH)
+
+
+class TestClockSkew:
+    """The chosen worker's clock (the sliding minimum of its receive lags) is a fact of the
+    evidence: out of the bound, no index claim stands (unknown_history, "clock skew");
+    other workers out of bound block every label below routing_miss."""
+
+    @pytest.mark.parametrize("lag", [LOW, -0.1, 0.0, 0.3, HIGH], ids=["low-edge", "ahead", "zero", "behind", "high-edge"])
+    def test_within_the_bound_including_its_edges_the_verdict_is_judged(self, lag):
+        assert clock(lag).within_bound
+        for evidence, label in ((evicted(), Label.EVICTED), (resident(), Label.RESIDENT_MISS),
+                                (absent(), Label.NO_MATCH)):
+            evidence = msgspec.structs.replace(evidence, clock=clock(lag))
+            assert attribute(request(), evidence).label is label
+
+    @pytest.mark.parametrize(("lag", "words"), [
+        (math.nextafter(LOW, -math.inf), "ahead of kvmiss"),
+        (-3.0, "at least 3.000 s ahead"),
+        (math.nextafter(HIGH, math.inf), "runs behind"),
+        (4.5, "arrive at least 4.500 s after"),
+    ], ids=["just-below", "ahead", "just-above", "behind"])
+    def test_out_of_the_bound_the_verdict_is_unknown_history_for_clock_skew(self, lag, words):
+        assert not clock(lag).within_bound
+        verdict = attribute(request(), evicted(clock=clock(lag)))
+        assert verdict.label is Label.UNKNOWN_HISTORY and verdict.owner is Owner.TELEMETRY
+        assert verdict.reason.startswith("clock skew:") and words in verdict.reason
+        assert "-0.250..1.250 s" in verdict.reason
+        assert verdict.history is History.CONTINUOUS  # the stream itself is fine: no new value
+
+    def test_no_measurement_is_no_claim_about_the_clock(self):
+        assert attribute(request(), evicted(clock=None)).label is Label.EVICTED
+
+    def test_a_skewed_chosen_worker_reports_no_timed_fact(self):
+        verdict = attribute(request(), evicted(clock=clock(9.0), holders=ON_WORKER_B))
+        assert verdict.label is Label.UNKNOWN_HISTORY
+        assert verdict.eviction_age_ms is None and verdict.holders == 0
+        assert verdict.stored_seq is None and verdict.removed_seq is None
+        assert (verdict.first_miss_block, verdict.missed_tokens, verdict.epoch) == (2, 112 - 32, 42)
+
+    def test_clock_skew_beats_routing_miss_and_tier_residency(self):
+        """Both place another worker's or tier's event times against t, stamped on the
+        skewed clock."""
+        for evidence in (continuous(holders=ON_WORKER_B, clock=clock(-2.0)),
+                         continuous(tiers=ON_CPU_TIER, clock=clock(-2.0))):
+            assert attribute(request(), evidence).reason.startswith("clock skew:")
+
+    def test_clock_skew_beats_the_chosen_workers_other_history_reasons(self):
+        for history in (History.GAP, History.LAGGING, History.QUARANTINED, History.EPOCH_UNKNOWN):
+            verdict = attribute(request(), Evidence(history=history, clock=clock(5.0)))
+            assert verdict.label is Label.UNKNOWN_HISTORY and verdict.reason.startswith("clock skew:")
+            assert verdict.history is history
+
+    def test_what_needs_no_clock_still_wins(self):
+        skewed = evicted(clock=clock(-2.0))
+        assert attribute(request(prompt=33, cached=32), skewed).label is Label.HIT
+        assert attribute(request(prompt=32, cached=16), skewed).label is Label.LOOKUP_LIMIT
+        assert attribute(request(transfers=FAILED_TRANSFER), skewed).label is Label.TRANSFER_FAILURE
+
+    def test_another_worker_out_of_bound_blocks_every_label_below_routing_miss(self):
+        for evidence in (resident(), evicted(), absent()):
+            blocked = msgspec.structs.replace(evidence, skewed_workers=(clock(3.0),))
+            verdict = attribute(request(), blocked)
+            assert verdict.label is Label.UNKNOWN_HISTORY
+            assert "1 stream with a clock beyond the skew bound" in verdict.reason
+            assert verdict.history is History.CONTINUOUS
+
+    def test_another_worker_out_of_bound_does_not_undo_a_proven_holder(self):
+        proven = msgspec.structs.replace(absent(), holders=ON_WORKER_B, skewed_workers=(clock(3.0),))
+        assert attribute(request(), proven).label is Label.ROUTING_MISS
+
+    def test_skewed_and_unresolved_workers_are_counted_together(self):
+        evidence = Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT,
+                            unresolved_holders=(History.QUARANTINED,), skewed_workers=(clock(-1.0),))
+        verdict = attribute(request(), evidence)
+        assert verdict.label is Label.UNKNOWN_HISTORY and verdict.history is History.QUARANTINED
+        assert "2 streams quarantined, with a clock beyond the skew bound" in verdict.reason

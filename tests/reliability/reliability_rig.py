@@ -468,12 +468,15 @@ class Truth:
 
 class Engines:
     """One demo publisher per worker (in this process, each with its own sending thread).
-    ``skew_s``: the engines' clock minus this host's clock."""
+    ``skew_s``: the engines' clock minus this host's clock. ``worker_skew[w]``: one engine's
+    own clock error on top of it (its batches are stamped with it; `Truth` keeps the fleet's
+    common clock, since that is when things happened)."""
 
     def __init__(self, workers: Iterable[str], *, buffer_steps: int = 10_000, skew_s: float = 0.0,
                  truth: Truth | None = None):
         self.ctx = zmq.Context()
         self.skew_s = skew_s
+        self.worker_skew: dict[str, float] = {}
         self.truth = truth or Truth()
         self.pubs: dict[str, Publisher] = {}
         self.seqs: dict[str, int] = {}
@@ -482,18 +485,19 @@ class Engines:
             pub.start()
             self.pubs[worker] = pub
 
-    def clock(self) -> float:
-        return time.time() + self.skew_s
+    def clock(self, worker: str | None = None) -> float:
+        """The engines' clock; with ``worker``, that engine's own (``worker_skew``)."""
+        return time.time() + self.skew_s + (self.worker_skew.get(worker, 0.0) if worker else 0.0)
 
     def endpoints(self, worker: str) -> tuple[str, str]:
         pub = self.pubs[worker]
         return pub.pub_endpoint, pub.replay_endpoint
 
     def publish(self, worker: str, stored=(), removed=(), cleared=False) -> tuple[int, float]:
-        ts = self.clock()
+        ts = self.clock(worker)
         seq = self.pubs[worker].publish(wire_batch(ts, stored, removed, cleared))
         self.seqs[worker] = seq
-        self.truth.record(worker, ts, stored, removed, cleared)
+        self.truth.record(worker, ts - self.worker_skew.get(worker, 0.0), stored, removed, cleared)
         return seq, ts
 
     def tick(self, workers: Iterable[str] | None = None) -> None:

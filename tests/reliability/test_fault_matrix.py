@@ -699,6 +699,119 @@ def test_clock_skew_between_engines_and_kvmiss_shifts_only_idle_history_waits(ri
     assert all(a.get("kvmiss.history") == "continuous" for a in got.values())
 
 
+# --- 5b. one engine's clock goes beyond the bound, then comes back -------------------------------
+
+
+BOUND_S, DELAY_S, WINDOW_S = 0.2, 0.2, 1.0  # [history] clock_skew_s, publish_delay_s, clock_skew_window_s
+OFF_S = 1.5  # the skewed engine's clock error: well beyond the bound either way
+
+
+def out_of_bounds(kvmiss: Kvmiss) -> dict[str, float]:
+    m = kvmiss.scrape()
+    return {l["worker"]: v for n, l, v in m.samples if n == "kvmiss_stream_clock_out_of_bounds"}
+
+
+@pytest.mark.parametrize("direction", [-1, +1], ids=["engine-behind-1.5s", "engine-ahead-1.5s"])
+def test_an_engine_clock_beyond_the_bound_is_refused_not_guessed_then_judged_again(rig, direction):
+    """w1's host clock steps ``OFF_S`` off (its batches and its lookup times move with it);
+    w0 and w2 stay right. kvmiss sees it in w1's receive lags (live batches only, sliding
+    minimum over ``WINDOW_S``) and, while it lasts:
+
+    * every w1 request is unknown_history, reason "clock skew", whatever the index would
+      say -- including a lookup whose own step (removing the block) reaches the publisher
+      150 ms late, which a tail probe trusted on a clock running behind would call
+      resident_miss (the truth: evicted);
+    * w0's and w2's clocks are not flagged; their routing_miss to an in-bound holder stands;
+      what rests on w1's timing (w1 as the holder, or ruled out as one) is unknown_history;
+    * never a wrong label.
+
+    Once w1's clock is right again (immediately when it had been behind: one quick delivery
+    bounds the offset; after the window when it had been ahead), every label is the truth.
+
+    Without the check (measured): behind, skewed-w1-D came out no_match (truth routing_miss:
+    w2's store looked later than w1's lookup) and skewed-w1-late-G resident_miss (truth
+    evicted); ahead, skewed-w1-C's eviction age was 1.5 s too old.
+    """
+    engines = rig.engines(["w0", "w1", "w2"])
+    sink = rig.sink()
+    kvmiss = rig.start_kvmiss({w: engines.endpoints(w) for w in engines.pubs}, sink, wait_s=3.0,
+                              history={"clock_skew_s": BOUND_S, "publish_delay_s": DELAY_S,
+                                       "clock_skew_window_s": WINDOW_S, "tail_probe_interval_s": 0.1})
+    bring_up(kvmiss, engines)
+    A, B, C, D, G, N = 9201, 9202, 9203, 9204, 9205, 9999
+    engines.publish("w0", stored=[A])
+    engines.publish("w1", stored=[B, C, G])
+    engines.publish("w2", stored=[D])
+    engines.publish("w1", removed=[C])
+    wait_applied(kvmiss, dict(engines.seqs))
+    assert out_of_bounds(kvmiss) == {"w0": 0.0, "w1": 0.0, "w2": 0.0}
+    truth = engines.truth
+    spans, sender = Spans(seed=7), Sender(kvmiss.http_port)
+    lookups: dict[str, tuple[str, int, float]] = {}  # rid -> (worker, block, t on the common clock)
+
+    def ask(rid: str, worker: str, block: int, t: float) -> None:
+        """``t`` on the fleet's common clock; the span carries it on ``worker``'s own."""
+        lookups[rid] = (worker, block, t)
+        own = t + engines.worker_skew.get(worker, 0.0)
+        assert sender.try_once(spans.request(plain=2, routers=[router_attrs(rid, worker, block, own)])) == 200
+
+    def tick_until(condition, what: str):
+        def step():
+            engines.tick()
+            time.sleep(0.04)
+            return condition()
+        return wait_until(step, what, interval=0.0)
+
+    # w1's clock steps off; kvmiss must notice from live batches alone.
+    engines.worker_skew["w1"] = direction * OFF_S
+    tick_until(lambda: out_of_bounds(kvmiss).get("w1") == 1.0, "w1 out of bounds")
+    assert out_of_bounds(kvmiss) == {"w0": 0.0, "w1": 1.0, "w2": 0.0}
+
+    t = engines.mark()
+    for block in (B, C, N, D):
+        ask(f"skewed-w1-{block}", "w1", block, t)
+    ask("skewed-w0-D", "w0", D, t)  # held on w2, in bound: proven
+    ask("skewed-w0-A", "w0", A, t)  # resident on w0, but w1 (out of bound) cannot be ruled out
+    ask("skewed-w2-B", "w2", B, t)  # held on w1, out of bound: not proof
+    t_late = engines.clock()
+    ask("skewed-w1-late-G", "w1", G, t_late)
+    time.sleep(0.15)
+    engines.publish("w1", removed=[G])  # the lookup's own step, published late
+    engines.tick(["w0", "w2"])
+    tick_until(lambda: len(sink.spans()) >= len(sender.acked), "the skewed phase's verdicts")
+    got = labels_at_sink(sink)
+    assert truth.label("w1", G, t_late + 0.2) == "evicted"
+    for rid in (f"skewed-w1-{b}" for b in (B, C, N, D, "late-G")):
+        assert got[rid]["kvmiss.label"] == "unknown_history", (rid, got[rid])
+        assert got[rid]["kvmiss.reason"].startswith("clock skew:"), got[rid]["kvmiss.reason"]
+    assert got["skewed-w0-D"]["kvmiss.label"] == "routing_miss" == truth.label("w0", D, t)
+    for rid in ("skewed-w0-A", "skewed-w2-B"):
+        assert got[rid]["kvmiss.label"] == "unknown_history", (rid, got[rid])
+        assert "clock beyond the skew bound" in got[rid]["kvmiss.reason"]
+    assert (truth.label("w0", A, t), truth.label("w2", B, t)) == ("resident_miss", "routing_miss")
+
+    # w1's clock is put right: judged again, every label the truth.
+    engines.worker_skew["w1"] = 0.0
+    tick_until(lambda: out_of_bounds(kvmiss).get("w1") == 0.0, "w1 back within bounds")
+    t2 = engines.mark()
+    after = {"w1": (B, C, N, D), "w0": (A, D, B), "w2": (B, A)}
+    for worker, blocks in after.items():
+        for block in blocks:
+            ask(f"after-{worker}-{block}", worker, block, t2)
+    tick_until(lambda: len(sink.spans()) >= len(sender.acked), "the verdicts after")
+    time.sleep(0.2)
+    assert_exactly_once(sender.acked, sink)
+    got = labels_at_sink(sink)
+    expected = {rid: (truth.label(w, b, t_),) for rid, (w, b, t_) in lookups.items() if rid.startswith("after-")}
+    labels = check_verdicts(got, expected)
+    assert [labels[f"after-w1-{b}"] for b in (B, C, N, D)] == ["resident_miss", "evicted", "no_match", "routing_miss"]
+    assert [labels[f"after-w0-{b}"] for b in (A, D, B)] == ["resident_miss", "routing_miss", "routing_miss"]
+    assert all(got[rid]["kvmiss.history"] == "continuous" for rid in expected)
+    assert log_count(kvmiss, "worker w1: engine clock beyond the skew bound") == 1
+    assert log_count(kvmiss, "worker w1: engine clock back within the skew bound") == 1
+    assert not any("worker w0: engine clock" in l or "worker w2: engine clock" in l for l in kvmiss.log)
+
+
 # --- 6. kvmiss itself is SIGKILLed and restarted ----------------------------------------------------
 
 
