@@ -156,7 +156,10 @@ def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MAR
     """Fast proof of absence: no record of ``key`` at all, and the current run is continuous
     from a known-empty point before t through a batch after t (or a confirmed idle tail)."""
     since = view.known_empty_since
-    if since is None or not since <= t or not view.epoch_certain or not view.reaches(t, margin):
+    if since is None or not since <= t or not view.epoch_certain:
+        return False
+    last = view.last_ts  # (reached by a batch after t: the common case, without a call)
+    if (last is None or last < t) and not view.reaches(t, margin):
         return False
     if t < view.runs[-1].start_ts:
         return False
@@ -179,6 +182,7 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
     unresolved: list[History] = []
     skewed: list[ClockOffset] = []
     margin = index.tail_margin_s
+    current = index.current
     for worker in index.tracked:
         if worker == chosen:
             continue
@@ -186,13 +190,16 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
         if clock is not None and not clock.within_bound:
             skewed.append(clock)  # its event times cannot be placed against t
             continue
-        views = index.views(worker)
-        view = _choose_view(views, None, t, margin) if views else None
-        if view is None:
-            unresolved.append(History.EPOCH_UNKNOWN if views else History.LAGGING)
-            continue
-        if view.first_ts is not None and t < view.first_ts:
-            continue  # a fresh epoch before its first batch: its cache was still empty
+        view = current.get(worker)
+        first_ts = view.first_ts if view is not None else None
+        if first_ts is None or t < first_ts:  # (else the current lifetime served t: `_choose_view`)
+            views = index.views(worker)
+            view = _choose_view(views, None, t, margin) if views else None
+            if view is None:
+                unresolved.append(History.EPOCH_UNKNOWN if views else History.LAGGING)
+                continue
+            if view.first_ts is not None and t < view.first_ts:
+                continue  # a fresh epoch before its first batch: its cache was still empty
         if _clean_without(view, key, t, margin):
             continue  # the common case, in O(1): provably never had it
         medium, held = _worker_held(view, key, t, margin=margin)

@@ -30,13 +30,12 @@ AllBlocksCleared is O(resident blocks), as in every peer implementation, and rar
 
 from __future__ import annotations
 
-import bisect
 import collections
 from array import array
 from typing import Iterable, Iterator, NamedTuple
 
 from kvmiss.enricher.divergence import SiblingRegistry
-from kvmiss.enricher.residency_table import SEQ_SPAN, Applier, BlockTable, warn_if_not_accelerated
+from kvmiss.enricher.residency_table import SEQ_SPAN, Applier, BlockTable, bisect_left, warn_if_not_accelerated
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
@@ -276,7 +275,7 @@ class EpochView:
     def prune(self, before_ts: float) -> int:
         """Drop closed intervals and log entries older than ``before_ts``; returns how many
         blocks lost records. Resident intervals are never dropped (they are current)."""
-        cut = bisect.bisect_left(self.log_ts, before_ts)
+        cut = bisect_left(self.log_ts, before_ts)
         horizon_seq = self.log_seq[cut] if cut < len(self.log_seq) else None
         copies = self.same_step_copies  # in place: the compiled applier holds this dict
         for key in [k for k, q in copies.items() if horizon_seq is None or q < horizon_seq]:
@@ -307,7 +306,7 @@ class EpochView:
         """(seq, ts) of the first applied batch stamped at or after ``t``: the engine step
         that contains a lookup made at ``t``. None when no applied batch is stamped at or
         after ``t`` (see `lookup_step` for an idle worker)."""
-        i = bisect.bisect_left(self.log_ts, t)
+        i = bisect_left(self.log_ts, t)
         if i == len(self.log_ts):
             return None
         return self.log_seq[i], self.log_ts[i]
@@ -369,7 +368,7 @@ class EpochView:
         """Engine time of an applied batch, while the log still holds it."""
         if seq is None:
             return None
-        i = bisect.bisect_left(self.log_seq, seq)
+        i = bisect_left(self.log_seq, seq)
         return self.log_ts[i] if i < len(self.log_seq) and self.log_seq[i] == seq else None
 
     def interval_as_of(self, key: object, medium: str, step_seq: int) -> Interval | None:

@@ -169,9 +169,10 @@ class PyBlockTable:
 try:
     if os.environ.get("KVMISS_PURE_PYTHON_TABLE") == "1":  # to rule the C table in or out
         raise ImportError("KVMISS_PURE_PYTHON_TABLE=1")
-    from kvmiss.enricher._blocktable import Applier, BlockTable
+    from kvmiss.enricher._blocktable import Applier, BlockTable, bisect_left
     ACCELERATED = True
 except ImportError:  # built without a C compiler: the reference model, correct but slower
+    from bisect import bisect_left  # noqa: F401  (the batch log's search; boxes each probe)
     BlockTable = PyBlockTable  # type: ignore[misc,assignment]
     Applier = None  # EpochView applies events in Python (index.py `_apply_event`)
     ACCELERATED = False

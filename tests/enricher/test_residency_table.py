@@ -167,3 +167,19 @@ def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches)
         assert len(a) == len(b) and a.retained == b.retained
         for h in SMALL_POOL:
             assert a.chain(h) == b.chain(h) and a.copies(h) == b.copies(h)
+
+
+@compiled
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2**62, 2**62)), st.integers(-2**62, 2**62),
+       st.lists(st.floats(allow_nan=False, width=64)), st.floats(allow_nan=False))
+def test_the_batch_log_bisect_matches_the_standard_library(seqs, seq, times, t):
+    import bisect
+    from array import array
+
+    from kvmiss.enricher.residency_table import bisect_left
+    log_seq, log_ts = array("q", sorted(seqs)), array("d", sorted(times))
+    assert bisect_left(log_seq, seq) == bisect.bisect_left(log_seq, seq)
+    assert bisect_left(log_ts, t) == bisect.bisect_left(log_ts, t)
+    with pytest.raises(TypeError):
+        bisect_left(array("i", [1, 2]), 1)
