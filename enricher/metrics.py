@@ -9,7 +9,7 @@ exemplars (OpenMetrics exposition), which link a label's counter to one of its t
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -37,10 +37,12 @@ class KvmissCollector(Collector):
         unknown_budget: float = 0.05,
         exemplars: dict[tuple[Label, str, str], str] | None = None,
         exports: Callable[[], list] = list,
+        intake: Callable[[], Mapping[str, int]] = dict,
     ):
         self.stats = stats
         self.streams = streams
         self.exports = exports  # the service's ExportQueues
+        self.intake = intake  # the OTLP receivers' counters and gauges (receiver.Receivers)
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
 
@@ -162,8 +164,13 @@ class KvmissCollector(Collector):
         received.add_metric([], s.spans_in)
         exported = CounterMetricFamily("kvmiss_spans_exported", "Spans handed to the exporter.")
         exported.add_metric([], s.spans_out)
-        refused = CounterMetricFamily("kvmiss_spans_refused", "Spans refused with a retryable error (backpressure).")
-        refused.add_metric([], s.spans_refused)
+        intake = self.intake()
+        refused = CounterMetricFamily(
+            "kvmiss_spans_refused", "Spans refused with a retryable error, by reason: pending_full (backpressure), "
+            "rate_limit ([otlp] max_spans_per_s), client_rate_limit (max_spans_per_s_per_client).", labels=["reason"])
+        refused.add_metric(["pending_full"], s.spans_refused)
+        refused.add_metric(["rate_limit"], intake.get("spans_refused_rate_limit", 0))
+        refused.add_metric(["client_rate_limit"], intake.get("spans_refused_client_rate_limit", 0))
         lost = CounterMetricFamily("kvmiss_spans_lost_on_restart", "Spans the previous run acknowledged but never exported (a crash), from the export journal.")
         lost.add_metric([], s.lost_on_restart)
         unenriched = CounterMetricFamily("kvmiss_requests_unenriched", "Requests passed on without a full judgement, by reason.", labels=["reason"])
@@ -177,3 +184,12 @@ class KvmissCollector(Collector):
         buckets = [(str(b), c) for b, c in zip(WAIT_BUCKETS, h.counts)] + [("+Inf", h.total)]
         waits.add_metric([], buckets, h.sum)
         yield from (received, exported, refused, lost, unenriched, bad, waits)
+        yield from self._connections(intake)
+
+    def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:
+        """OTLP intake limits that are not about spans. No peer address is ever a label:
+        clients are counted, not named (the receiver logs a limited client once)."""
+        clients = GaugeMetricFamily("kvmiss_otlp_clients_tracked",
+                                    "Clients (peer addresses) with a per-client rate bucket; bounded.")
+        clients.add_metric([], intake.get("clients_tracked", 0))
+        yield clients

@@ -9,12 +9,19 @@ outcome     gRPC                                         HTTP
 ==========  ===========================================  ======================================
 ACCEPTED    OK; ``partial_success`` iff spans rejected    200; same body, request's content type
 RETRYABLE   UNAVAILABLE + ``google.rpc.RetryInfo``        503 + ``Retry-After`` (integer s, >= 1)
+(a client   UNAVAILABLE + ``google.rpc.RetryInfo``        429 + ``Retry-After`` (integer s, >= 1)
+over its
+share)
 PERMANENT   INVALID_ARGUMENT                             400
 ==========  ===========================================  ======================================
 
 HTTP also answers 415 (content type or encoding not supported), 413 (body larger than
 ``OtlpConfig.max_body_bytes`` after gunzip; not retryable) and 400 (malformed body). Error
 bodies are a ``google.rpc.Status`` in the request's content type, as OTLP/HTTP asks.
+
+Intake limits, before the consumer sees a span: ``max_spans_per_s_per_client`` (a token
+bucket per peer IP address, shared by both receivers, in a table of at most
+`MAX_TRACKED_CLIENTS` peers) and then ``max_spans_per_s`` (one bucket for everyone).
 
 Thread contract: `Receivers` lives on one event loop; construct it anywhere, call `start`,
 `shutdown` and read `stats` from that loop only. The consumer is awaited on the same loop
@@ -32,7 +39,9 @@ import math
 import socket
 import ssl
 import time
+import urllib.parse
 import zlib
+from typing import Callable
 
 import grpc
 from aiohttp import web
@@ -59,6 +68,8 @@ _GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _THREAD_GUNZIP_BYTES = 32 * 1024  # below it, a thread hop (~50 us) costs more than it frees
 _INTERNAL = ConsumeResult(Outcome.PERMANENT, message="internal error")  # marker, see _deliver
+MAX_TRACKED_CLIENTS = 4096  # peers with a per-client rate bucket; the least recent is forgotten
+_LIMIT_WARNING_INTERVAL_S = 10.0  # at most one line per limit in this many seconds
 
 
 def drop_invalid_spans(request: ExportTraceServiceRequest) -> int:
@@ -223,6 +234,77 @@ class SpanRate:
     def wait_s(self, spans: int) -> float:
         return max(1.0, (min(spans, self.per_s) - self.tokens) / self.per_s)
 
+    def give_back(self, spans: int) -> None:
+        """Undo the `take` just made (a later limit refused the request)."""
+        self.tokens += spans
+
+
+class _ClientRate(SpanRate):
+    limited = False  # refused at least once (its address was logged then)
+
+
+class ClientRates:
+    """A `SpanRate` of ``per_s`` for each client, keyed by peer address, in a table of at most
+    ``max_clients`` entries. A full table forgets its least recently seen client: a forgotten
+    client that comes back starts with a full bucket (more lenient, never stricter), and a
+    client sending right now is never the one forgotten. O(1) per request."""
+
+    def __init__(self, per_s: float, max_clients: int = MAX_TRACKED_CLIENTS):
+        if max_clients < 1:
+            raise ValueError("max_clients must be >= 1")
+        self.per_s = per_s
+        self.max_clients = max_clients
+        self.forgotten = 0
+        self._rates: collections.OrderedDict[str, _ClientRate] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rates)
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._rates
+
+    def rate(self, peer: str) -> _ClientRate:
+        rate = self._rates.get(peer)
+        if rate is not None:
+            self._rates.move_to_end(peer)
+            return rate
+        if len(self._rates) >= self.max_clients:
+            self._rates.popitem(last=False)
+            self.forgotten += 1
+        rate = self._rates[peer] = _ClientRate(self.per_s)
+        return rate
+
+
+UNKNOWN_PEER = "unknown"
+
+
+def client_key(host: str | None) -> str:
+    """The per-client key of a peer IP address: an IPv4-mapped IPv6 address counts as its
+    IPv4 address (one host, either socket family); no address is one shared key."""
+    if not host:
+        return UNKNOWN_PEER
+    host = host.lower()
+    if host.startswith("::ffff:") and "." in host:
+        return host[7:]
+    return host
+
+
+def grpc_peer_host(peer: str | None) -> str:
+    """The client key of a grpc peer string: ``ipv4:10.0.0.7:53422`` -> ``10.0.0.7``,
+    ``ipv6:%5B::1%5D:53422`` (or unquoted) -> ``::1``; unix sockets and anything else are
+    one key per transport kind."""
+    if not peer:
+        return UNKNOWN_PEER
+    kind, _, address = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return kind if kind in ("unix", "unix-abstract", "vsock") else UNKNOWN_PEER
+    host = urllib.parse.unquote(address).rpartition(":")[0]
+    return client_key(host.strip("[]"))
+
+
+class _ClientLimited(ConsumeResult, frozen=True):
+    """RETRYABLE because this client is over its own share (HTTP answers 429, not 503)."""
+
 
 class Receivers:
     """The OTLP/gRPC and OTLP/HTTP receivers of one process, sharing one consumer.
@@ -230,14 +312,21 @@ class Receivers:
     ``config.grpc`` / ``config.http`` are listen addresses (None or "" disables that
     receiver; port 0 picks a free port, see `grpc_port` / `http_port`). With
     ``config.tls_cert`` and ``config.tls_key`` both serve TLS only (HTTP: TLS >= 1.2).
-    ``stats`` counts requests and spans by outcome and reason (read it at scrape time).
+    ``stats`` counts requests and spans by outcome and reason (read it at scrape time);
+    `gauges` adds the size of the per-client table.
+    ``clock`` (monotonic seconds) drives the rate limits; ``max_clients`` bounds the table.
     """
 
-    def __init__(self, config: OtlpConfig, consumer: TracesConsumer) -> None:
+    def __init__(self, config: OtlpConfig, consumer: TracesConsumer, *,
+                 clock: Callable[[], float] = time.monotonic, max_clients: int = MAX_TRACKED_CLIENTS) -> None:
         self._config = config
         self._consumer = consumer
         self._max_body = config.max_body_bytes
+        self._clock = clock
         self._rate = SpanRate(config.max_spans_per_s) if config.max_spans_per_s > 0 else None
+        per_client = config.max_spans_per_s_per_client
+        self.clients = ClientRates(per_client, max_clients) if per_client > 0 else None
+        self._warned_at: dict[str, float] = {}  # limit -> when it was last logged
         self.stats: collections.Counter[str] = collections.Counter()
         self._grpc_server: grpc.aio.Server | None = None
         self._http_runner: web.AppRunner | None = None
@@ -277,6 +366,10 @@ class Receivers:
             self._shutdown = asyncio.ensure_future(self._stop(grace))
         await asyncio.shield(self._shutdown)
 
+    def gauges(self) -> dict[str, int]:
+        """Point-in-time values for the metrics endpoint (``stats`` holds the counters)."""
+        return {"clients_tracked": len(self.clients) if self.clients is not None else 0}
+
     async def _stop(self, grace: float) -> None:
         grace = max(0.0, grace)
         if self._http_runner is not None:
@@ -298,7 +391,8 @@ class Receivers:
 
     # -- shared by both receivers ------------------------------------------------------
 
-    async def _deliver(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+    async def _deliver(self, request: ExportTraceServiceRequest, peer: str = UNKNOWN_PEER) -> ConsumeResult:
+        """``peer``: the client's key (`client_key` / `grpc_peer_host`), for its own rate limit."""
         self.stats["requests"] += 1
         rejected = drop_invalid_spans(request)
         if rejected:
@@ -307,10 +401,8 @@ class Receivers:
         self.stats["spans_received"] += n_spans + rejected
         if n_spans == 0:  # nothing left to hand on (empty request, or every span bad)
             result = ConsumeResult(Outcome.ACCEPTED)
-        elif self._rate is not None and not self._rate.take(n_spans, time.monotonic()):
-            self.stats["requests_rate_limited"] += 1
-            return ConsumeResult(Outcome.RETRYABLE, message="kvmiss intake rate limit",
-                                 retry_after_s=self._rate.wait_s(n_spans))
+        elif (refused := self._admit(n_spans, peer)) is not None:
+            return refused
         else:
             try:
                 result = await self._consumer.consume(request)
@@ -326,6 +418,40 @@ class Receivers:
             message = "; ".join(m for m in (why, result.message) if m)
             result = ConsumeResult(Outcome.ACCEPTED, rejected_spans=result.rejected_spans + rejected, message=message)
         return result
+
+    def _admit(self, spans: int, peer: str) -> ConsumeResult | None:
+        """Take ``spans`` from the client's bucket, then from the global one; None when both
+        had room, else the refusal (and nothing taken from either)."""
+        now = self._clock()
+        client = self.clients.rate(peer) if self.clients is not None else None
+        if client is not None and not client.take(spans, now):
+            self.stats["requests_client_rate_limited"] += 1
+            self.stats["spans_refused_client_rate_limit"] += spans
+            if not client.limited:
+                client.limited = True
+                self._warn("client", "OTLP client %s is over otlp.max_spans_per_s_per_client (%g spans/s): its "
+                           "excess is refused with a retry delay (logged once per client, at most every %g s; "
+                           "counted in kvmiss_spans_refused_total{reason=\"client_rate_limit\"})",
+                           peer, client.per_s, _LIMIT_WARNING_INTERVAL_S)
+            return _ClientLimited(Outcome.RETRYABLE, message="kvmiss per-client intake rate limit",
+                                  retry_after_s=client.wait_s(spans))
+        if self._rate is not None and not self._rate.take(spans, now):
+            if client is not None:
+                client.give_back(spans)
+            self.stats["requests_rate_limited"] += 1
+            self.stats["spans_refused_rate_limit"] += spans
+            return ConsumeResult(Outcome.RETRYABLE, message="kvmiss intake rate limit",
+                                 retry_after_s=self._rate.wait_s(spans))
+        return None
+
+    def _warn(self, limit: str, message: str, *args: object) -> None:
+        """Log ``message`` at WARNING unless this limit was logged in the last few seconds
+        (the counters in ``stats`` see every case)."""
+        now = time.monotonic()
+        if now < self._warned_at.get(limit, -math.inf) + _LIMIT_WARNING_INTERVAL_S:
+            return
+        self._warned_at[limit] = now
+        log.warning(message, *args)
 
     # -- gRPC ----------------------------------------------------------------------------
 
@@ -402,13 +528,14 @@ class Receivers:
         except _Rejected as rejected:
             self.stats[f"requests_{rejected.reason}"] += 1
             return self._http_error(rejected.status, str(rejected), ctype)
-        result = await self._deliver(request)
+        result = await self._deliver(request, client_key(http_request.remote))
         if result is _INTERNAL:
             return self._http_error(500, result.message, ctype)
         if result.outcome is Outcome.RETRYABLE:
             seconds = result.retry_after_s if result.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
             headers = {"Retry-After": str(max(1, math.ceil(seconds)))}
-            return self._http_error(503, result.message or "try again later", ctype, headers)
+            status = 429 if isinstance(result, _ClientLimited) else 503
+            return self._http_error(status, result.message or "try again later", ctype, headers)
         if result.outcome is Outcome.PERMANENT:
             return self._http_error(400, result.message or "rejected", ctype)
         response = ExportTraceServiceResponse()
@@ -446,7 +573,8 @@ class Receivers:
 
     @staticmethod
     def _http_error(status: int, message: str, ctype: str, headers: dict | None = None) -> web.Response:
-        code = {400: code_pb2.INVALID_ARGUMENT, 413: code_pb2.INVALID_ARGUMENT, 503: code_pb2.UNAVAILABLE}
+        code = {400: code_pb2.INVALID_ARGUMENT, 413: code_pb2.INVALID_ARGUMENT, 429: code_pb2.RESOURCE_EXHAUSTED,
+                503: code_pb2.UNAVAILABLE}
         if ctype not in (PROTOBUF, JSON):  # cannot answer in a type we do not speak
             return web.Response(status=status, text=message, headers=headers)
         body = _encode(status_pb2.Status(code=code.get(status, code_pb2.INTERNAL), message=message), ctype)
@@ -466,7 +594,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         except DecodeError as exc:
             receivers.stats["requests_malformed"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode ExportTraceServiceRequest: {exc}")
-        result = await receivers._deliver(request)
+        result = await receivers._deliver(request, grpc_peer_host(context.peer()))
         if result is _INTERNAL:
             await context.abort(grpc.StatusCode.INTERNAL, result.message)
         if result.outcome is Outcome.RETRYABLE:

@@ -41,6 +41,23 @@ def test_a_bad_key_is_named(text, fragment):
     assert fragment in str(info.value) and str(info.value).startswith("k.toml")
 
 
+@pytest.mark.parametrize("setting, fragment", [
+    ("max_spans_per_s_per_client = -1", "otlp.max_spans_per_s_per_client must be a finite number >= 0"),
+    ("max_spans_per_s_per_client = nan", "otlp.max_spans_per_s_per_client must be a finite number >= 0"),
+    ("max_spans_per_s = inf", "otlp.max_spans_per_s must be a finite number >= 0"),
+])
+def test_intake_limits_are_validated_naming_the_key(setting, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"[otlp]\n{setting}\n", source="k.toml")
+    assert fragment in str(info.value) and str(info.value).startswith("k.toml")
+
+
+def test_intake_limit_defaults():
+    otlp = parse_config("").otlp
+    assert (otlp.max_spans_per_s_per_client, otlp.max_spans_per_s) == (0, 0)
+    assert parse_config("[otlp]\nmax_spans_per_s_per_client = 12.5\n").otlp.max_spans_per_s_per_client == 12.5
+
+
 def test_a_secret_never_shows_in_errors_or_reprs():
     text = "[privacy]\ndigest_key = 'hunter2-hunter2-hunter2'\ndigest_key_env = 'X'\n"
     with pytest.raises(ConfigError) as info:
