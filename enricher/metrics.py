@@ -189,7 +189,12 @@ class KvmissCollector(Collector):
     def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:
         """OTLP intake limits that are not about spans. No peer address is ever a label:
         clients are counted, not named (the receiver logs a limited client once)."""
+        refused = CounterMetricFamily("kvmiss_otlp_http_connections_refused",
+                                      "OTLP/HTTP connections closed on arrival: [otlp] max_connections were open.")
+        refused.add_metric([], intake.get("http_connections_refused", 0))
+        open_ = GaugeMetricFamily("kvmiss_otlp_http_connections", "Open OTLP/HTTP connections.")
+        open_.add_metric([], intake.get("http_connections", 0))
         clients = GaugeMetricFamily("kvmiss_otlp_clients_tracked",
                                     "Clients (peer addresses) with a per-client rate bucket; bounded.")
         clients.add_metric([], intake.get("clients_tracked", 0))
-        yield clients
+        yield from (refused, open_, clients)

@@ -21,7 +21,13 @@ bodies are a ``google.rpc.Status`` in the request's content type, as OTLP/HTTP a
 
 Intake limits, before the consumer sees a span: ``max_spans_per_s_per_client`` (a token
 bucket per peer IP address, shared by both receivers, in a table of at most
-`MAX_TRACKED_CLIENTS` peers) and then ``max_spans_per_s`` (one bucket for everyone).
+`MAX_TRACKED_CLIENTS` peers) and then ``max_spans_per_s`` (one bucket for everyone). Each
+receiver holds at most ``max_connections`` open connections: HTTP closes any further one as
+soon as it is accepted (before a TLS handshake; counted), gRPC leaves it to grpc core
+(``grpc.max_allowed_incoming_connections``, per listening address: the client sees
+UNAVAILABLE, which it retries). Every gRPC connection carries at most
+`GRPC_STREAMS_PER_CONNECTION` calls at a time (more wait in the client), and connections
+idle for `IDLE_CONNECTION_S` are closed on both, so dead clients give their slots back.
 
 Thread contract: `Receivers` lives on one event loop; construct it anywhere, call `start`,
 `shutdown` and read `stats` from that loop only. The consumer is awaited on the same loop
@@ -33,11 +39,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import errno
 import json
 import logging
 import math
+import resource
 import socket
 import ssl
+import struct
 import time
 import urllib.parse
 import zlib
@@ -69,7 +78,12 @@ _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _THREAD_GUNZIP_BYTES = 32 * 1024  # below it, a thread hop (~50 us) costs more than it frees
 _INTERNAL = ConsumeResult(Outcome.PERMANENT, message="internal error")  # marker, see _deliver
 MAX_TRACKED_CLIENTS = 4096  # peers with a per-client rate bucket; the least recent is forgotten
+GRPC_STREAMS_PER_CONNECTION = 16  # concurrent calls on one gRPC connection (HTTP/2 streams)
+IDLE_CONNECTION_S = 75.0  # a connection with no request for this long is closed
+TLS_HANDSHAKE_TIMEOUT_S = 10.0  # an HTTP connection's TLS handshake holds a slot this long at most
+_ACCEPT_RETRY_S = 1.0  # after the process ran out of file descriptors, like asyncio's servers
 _LIMIT_WARNING_INTERVAL_S = 10.0  # at most one line per limit in this many seconds
+_FD_LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def drop_invalid_spans(request: ExportTraceServiceRequest) -> int:
@@ -302,6 +316,45 @@ def grpc_peer_host(peer: str | None) -> str:
     return client_key(host.strip("[]"))
 
 
+class _CountedConnection(asyncio.Protocol):
+    """An accepted HTTP connection: aiohttp's protocol behind it, and a connection slot that is
+    given back exactly once, when the connection closes (or when it never opened)."""
+
+    __slots__ = ("_inner", "_release", "opened")
+
+    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None]) -> None:
+        self._inner = inner
+        self._release: Callable[[], None] | None = release
+        self.opened = False
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.opened = True
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)
+        finally:
+            self.release()
+
+
 class _ClientLimited(ConsumeResult, frozen=True):
     """RETRYABLE because this client is over its own share (HTTP answers 429, not 503)."""
 
@@ -313,7 +366,7 @@ class Receivers:
     receiver; port 0 picks a free port, see `grpc_port` / `http_port`). With
     ``config.tls_cert`` and ``config.tls_key`` both serve TLS only (HTTP: TLS >= 1.2).
     ``stats`` counts requests and spans by outcome and reason (read it at scrape time);
-    `gauges` adds the size of the per-client table.
+    `gauges` adds the open HTTP connections and the size of the per-client table.
     ``clock`` (monotonic seconds) drives the rate limits; ``max_clients`` bounds the table.
     """
 
@@ -326,6 +379,11 @@ class Receivers:
         self._rate = SpanRate(config.max_spans_per_s) if config.max_spans_per_s > 0 else None
         per_client = config.max_spans_per_s_per_client
         self.clients = ClientRates(per_client, max_clients) if per_client > 0 else None
+        self._max_connections = config.max_connections
+        self._http_connections = 0  # open (accepted, not yet closed) HTTP connections
+        self._http_sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._handshakes: set[asyncio.Task] = set()  # HTTP connections being set up (TLS)
         self._warned_at: dict[str, float] = {}  # limit -> when it was last logged
         self.stats: collections.Counter[str] = collections.Counter()
         self._grpc_server: grpc.aio.Server | None = None
@@ -356,6 +414,7 @@ class Receivers:
         except BaseException:
             await self.shutdown(0)
             raise
+        _check_fd_limit(self._max_connections, bool(self._config.grpc) + bool(self._config.http))
         log.info("OTLP receivers listening: grpc=%s http=%s tls=%s", self.grpc_port, self.http_port,
                  "on" if self._http_tls is not None else "off")
 
@@ -366,15 +425,26 @@ class Receivers:
             self._shutdown = asyncio.ensure_future(self._stop(grace))
         await asyncio.shield(self._shutdown)
 
+    @property
+    def http_connections(self) -> int:
+        """Open OTLP/HTTP connections (at most ``max_connections`` when that is set)."""
+        return self._http_connections
+
     def gauges(self) -> dict[str, int]:
         """Point-in-time values for the metrics endpoint (``stats`` holds the counters)."""
-        return {"clients_tracked": len(self.clients) if self.clients is not None else 0}
+        return {"http_connections": self._http_connections,
+                "clients_tracked": len(self.clients) if self.clients is not None else 0}
 
     async def _stop(self, grace: float) -> None:
         grace = max(0.0, grace)
-        if self._http_runner is not None:
-            for site in list(self._http_runner.sites):
-                await site.stop()  # closes the listening socket only
+        if self._accepting is not None:  # stop accepting and close the listening socket only
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._http_sock is not None:
+            self._http_sock.close()
+        for task in list(self._handshakes):  # not yet connections: nothing to drain
+            task.cancel()
+        await asyncio.gather(*self._handshakes, return_exceptions=True)
         waits = [self._stop_http(grace)]
         if self._grpc_server is not None:
             waits.append(self._grpc_server.stop(grace))
@@ -457,12 +527,18 @@ class Receivers:
 
     async def _start_grpc(self, address: str) -> None:
         host, port = parse_listen(address)
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", self._max_body),  # default 4 MiB is too small
-                ("grpc.so_reuseport", 0),  # else a second kvmiss silently shares the port
-            ]
-        )
+        options = [
+            ("grpc.max_receive_message_length", self._max_body),  # default 4 MiB is too small
+            ("grpc.so_reuseport", 0),  # else a second kvmiss silently shares the port
+            ("grpc.max_concurrent_streams", GRPC_STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
+        ]
+        if self._max_connections:  # grpc core closes further connections as they arrive
+            options.append(("grpc.max_allowed_incoming_connections", self._max_connections))
+        # No maximum_concurrent_rpcs: grpcio answers it with RESOURCE_EXHAUSTED and no
+        # RetryInfo, which OTLP clients (the Collector's) treat as final; connections x
+        # streams bound the calls instead, and handlers are coroutines (no thread per call).
+        server = grpc.aio.server(options=options)
         # Registered by hand with a bytes-in handler so that a corrupt body is answered
         # INVALID_ARGUMENT here; grpcio's own deserializer would answer UNKNOWN.
         servicer = _TraceService(self)
@@ -488,7 +564,8 @@ class Receivers:
         app.router.add_post(TRACES_PATH, self._handle_http)
         # auto_decompress off: we gunzip ourselves with the size cap (no gzip bombs);
         # shutdown_timeout short: `_stop` already waited out the grace period.
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False, shutdown_timeout=0.1)
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False, shutdown_timeout=0.1,
+                               keepalive_timeout=IDLE_CONNECTION_S)
         await runner.setup()
         self._http_runner = runner
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -497,11 +574,61 @@ class Receivers:
             # SO_REUSEADDR (restart over TIME_WAIT), never SO_REUSEPORT (silent port sharing).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
+            sock.listen(512)
+            sock.setblocking(False)
         except OSError:
             sock.close()
             raise
-        await web.SockSite(runner, sock, backlog=512, ssl_context=self._http_tls).start()
+        self._http_sock = sock
         self.http_port = sock.getsockname()[1]
+        # Our own accept loop, not aiohttp's site: a connection over the cap is closed before
+        # any TLS handshake, and a slot is given back even when a handshake fails.
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_http(sock), name="kvmiss-otlp-http-accept")
+
+    async def _accept_http(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if exc.errno in _FD_LIMIT_ERRNOS:  # the backlog keeps the connection meanwhile
+                    self.stats["http_accept_errors"] += 1
+                    self._warn("accept", "OTLP/HTTP: cannot accept a connection (%s); lower otlp.max_connections "
+                               "or raise the file descriptor limit (ulimit -n)", exc.strerror)
+                    await asyncio.sleep(_ACCEPT_RETRY_S)
+                elif sock.fileno() == -1 or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listening socket is closed: shutting down
+                continue  # ECONNABORTED and the like: that client is gone already
+            if self._max_connections and self._http_connections >= self._max_connections:
+                self.stats["http_connections_refused"] += 1
+                self._warn("connections", "OTLP/HTTP: %d connections open (otlp.max_connections): closing new "
+                           "ones until some close (counted in kvmiss_otlp_http_connections_refused_total)",
+                           self._http_connections)
+                _abort(conn)
+                continue
+            self._http_connections += 1
+            self.stats["http_connections_accepted"] += 1
+            task = loop.create_task(self._open_http(conn))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _open_http(self, conn: socket.socket) -> None:
+        assert self._http_runner is not None and self._http_runner.server is not None
+        connection = _CountedConnection(self._http_runner.server(), self._release_http)
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: connection, conn, ssl=self._http_tls,
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._http_tls is not None else None)
+        except (Exception, asyncio.CancelledError) as exc:  # a failed or cancelled TLS handshake
+            if not connection.opened:  # else its connection_lost gives the slot back
+                connection.release()
+            conn.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            self.stats["http_handshakes_failed"] += 1
+
+    def _release_http(self) -> None:
+        self._http_connections -= 1
 
     async def _handle_http(self, http_request: web.Request) -> web.Response:
         self._in_flight += 1
@@ -609,6 +736,26 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             response.partial_success.rejected_spans = result.rejected_spans
             response.partial_success.error_message = result.message
         return response
+
+
+def _abort(conn: socket.socket) -> None:
+    """Close an accepted socket at once with a reset: no TIME_WAIT left behind, and the
+    client sees a connection error, which OTLP clients retry."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    conn.close()
+
+
+def _check_fd_limit(max_connections: int, receivers: int) -> None:
+    """Warn when the receivers at their connection cap would pass the soft file descriptor
+    limit: the process would then run out of descriptors before the cap stops anyone."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = receivers * max_connections + 64  # plus the process's own files and sockets
+    if max_connections and soft != resource.RLIM_INFINITY and needed > soft:
+        log.warning("otlp.max_connections = %d per receiver needs about %d file descriptors, more than the "
+                    "limit of %d: lower it or raise the limit (ulimit -n)", max_connections, needed, soft)
 
 
 def _encode(message: Message, ctype: str) -> bytes:

@@ -67,6 +67,9 @@ def offset_endpoint(endpoint: str, dp_rank: int) -> str:
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 
 
+MAX_CONNECTIONS_LIMIT = 1_000_000  # above any file-descriptor limit; grpc takes a C int
+
+
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
@@ -81,6 +84,7 @@ class OtlpConfig(_Section):
     # The same per client (peer IP address, over both receivers; 0: none): one sender cannot
     # take the others' share. Beyond it: UNAVAILABLE / 429 with a retry delay.
     max_spans_per_s_per_client: float = 0.0
+    max_connections: int = 256  # open connections per receiver (0: no cap); more are closed
     tls_cert: str | None = None  # PEM certificate chain: with tls_key, both receivers use TLS
     tls_key: str | None = None  # PEM private key
 
@@ -198,6 +202,9 @@ def _check(config: Config, source: str) -> None:
                         ("otlp.max_spans_per_s_per_client", config.otlp.max_spans_per_s_per_client)):
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"{source}: {name} must be a finite number >= 0 (0: no limit), got {value}")
+    if not 0 <= config.otlp.max_connections <= MAX_CONNECTIONS_LIMIT:
+        raise ConfigError(f"{source}: otlp.max_connections must be between 0 (no cap) and "
+                          f"{MAX_CONNECTIONS_LIMIT}, got {config.otlp.max_connections}")
     if bool(config.otlp.tls_cert) != bool(config.otlp.tls_key):
         raise ConfigError(f"{source}: otlp.tls_cert and otlp.tls_key go together")
     if config.engine.block_size <= 0:

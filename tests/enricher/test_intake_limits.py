@@ -1,5 +1,5 @@
-"""Per-client rate limits on the OTLP receivers: one noisy or hostile client cannot starve
-the others.
+"""Per-client rate limits and connection caps on the OTLP receivers: one noisy or hostile
+client cannot starve the others, nor use up the process's connections.
 
 Rate limits are checked twice: deterministically, with an injected clock, and over real
 sockets with two clients at two loopback addresses (Linux routes all of 127/8 to lo), one
@@ -10,8 +10,10 @@ elapsed time, never from a guess about how fast this box is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
+import ssl
 import time
 
 import aiohttp
@@ -28,7 +30,9 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from test_receiver import EXPORT, RecordingConsumer, sdk_spans, serving
+from test_tls import pki  # noqa: F401  (a fixture: the TLS tests' certificates)
 
+from kvmiss.enricher import receiver as receiver_module
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.otlp import Outcome
 from kvmiss.enricher.pipeline import PipelineStats
@@ -338,6 +342,156 @@ class TestTwoClientsOverRealSockets:
         assert forgotten == 8 and gauges["clients_tracked"] == 4
 
 
+# --- connection caps --------------------------------------------------------------------------
+
+
+async def closed_by_server(reader: asyncio.StreamReader, timeout: float = 10.0) -> bool:
+    """True when the server closes the connection (EOF or reset) without a byte of answer."""
+    try:
+        return await asyncio.wait_for(reader.read(1024), timeout) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def raw_post(body: bytes) -> bytes:
+    head = (f"POST /v1/traces HTTP/1.1\r\nHost: kvmiss\r\nContent-Type: {PROTOBUF}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+class TestConnectionCap:
+    def test_http_closes_the_connection_past_the_cap_and_keeps_serving(self):
+        consumer = RecordingConsumer()
+        body = batch("held", 3).SerializeToString()
+
+        async def scenario():
+            async with serving(consumer, grpc=None, max_connections=2) as receivers:
+                port = receivers.http_port
+                held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+                assert await until(lambda: receivers.http_connections == 2)
+                extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
+                extra_closed = await closed_by_server(extra_reader)
+                extra_writer.close()
+                refused = receivers.stats["http_connections_refused"]
+                reader, writer = held[0]  # a connection inside the cap is served meanwhile
+                writer.write(raw_post(body))
+                status_line = await asyncio.wait_for(reader.readline(), 10)
+                for _, w in held:
+                    w.close()
+                assert await until(lambda: receivers.http_connections == 0)
+                async with aiohttp.ClientSession() as session:  # and new clients once they close
+                    async with session.post(f"http://127.0.0.1:{port}/v1/traces",
+                                            data=batch("after", 2).SerializeToString(),
+                                            headers={"Content-Type": PROTOBUF}) as response:
+                        after = response.status
+                return extra_closed, refused, status_line, after
+
+        extra_closed, refused, status_line, after = asyncio.run(scenario())
+        assert extra_closed and refused == 1
+        assert status_line.startswith(b"HTTP/1.1 200") and after == 200
+        assert names_by_client(consumer) == {"held": ["held-0", "held-1", "held-2"], "after": ["after-0", "after-1"]}
+
+    def test_the_sdk_exporter_refused_at_the_cap_retries_and_loses_nothing(self):
+        consumer = RecordingConsumer()
+        spans = sdk_spans(5)
+
+        async def scenario():
+            async with serving(consumer, grpc=None, max_connections=1) as receivers:
+                port = receivers.http_port
+                _, holder = await asyncio.open_connection("127.0.0.1", port)
+                assert await until(lambda: receivers.http_connections == 1)
+                exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=30)
+                try:
+                    export = asyncio.ensure_future(asyncio.to_thread(exporter.export, spans))
+                    refused = await until(lambda: receivers.stats["http_connections_refused"] >= 1)
+                    holder.close()  # a slot frees up; the exporter's retry takes it
+                    return refused, await export
+                finally:
+                    exporter.shutdown()
+
+        refused, result = asyncio.run(scenario())
+        assert refused and result is SpanExportResult.SUCCESS
+        assert sorted(names_by_client(consumer)["router"]) == sorted(s.name for s in spans)
+
+    def test_grpc_refuses_the_connection_past_the_cap_and_keeps_serving(self):
+        consumer = RecordingConsumer()
+        own_connection = [("grpc.use_local_subchannel_pool", 1)]  # else channels share one
+
+        async def scenario():
+            async with serving(consumer, http=None, max_connections=1) as receivers:
+                target = f"127.0.0.1:{receivers.grpc_port}"
+                first = grpc.aio.insecure_channel(target, options=own_connection)
+                second = grpc.aio.insecure_channel(target, options=own_connection)
+                try:
+                    call_first = first.unary_unary(EXPORT, response_deserializer=ExportTraceServiceResponse.FromString)
+                    call_second = second.unary_unary(EXPORT, response_deserializer=ExportTraceServiceResponse.FromString)
+                    await call_first(batch("first", 2).SerializeToString(), timeout=10)
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call_second(batch("second", 2).SerializeToString(), timeout=10)
+                    await call_first(batch("first", 2, 2).SerializeToString(), timeout=10)  # still served
+                    await first.close()
+                    deadline = time.monotonic() + 30  # the second channel reconnects with backoff
+                    while True:
+                        try:
+                            await call_second(batch("second", 2).SerializeToString(), timeout=10)
+                            break
+                        except grpc.aio.AioRpcError:
+                            if time.monotonic() > deadline:
+                                raise
+                            await asyncio.sleep(0.2)
+                    return refused.value.code()
+                finally:
+                    await first.close()
+                    await second.close()
+
+        code = asyncio.run(scenario())
+        assert code is grpc.StatusCode.UNAVAILABLE  # retryable for every OTLP client
+        got = names_by_client(consumer)
+        assert got == {"first": ["first-0", "first-1", "first-2", "first-3"], "second": ["second-0", "second-1"]}
+
+    def test_a_tls_handshake_that_never_finishes_gives_its_slot_back(self, pki, monkeypatch):  # noqa: F811
+        monkeypatch.setattr(receiver_module, "TLS_HANDSHAKE_TIMEOUT_S", 2.0)
+        consumer = RecordingConsumer()
+
+        async def scenario():
+            async with serving(consumer, grpc=None, max_connections=1,
+                               tls_cert=str(pki.cert), tls_key=str(pki.key)) as receivers:
+                port = receivers.http_port
+                _, silent = await asyncio.open_connection("127.0.0.1", port)  # never says hello
+                assert await until(lambda: receivers.http_connections == 1)
+                extra_reader, _ = await asyncio.open_connection("127.0.0.1", port)
+                extra_closed = await closed_by_server(extra_reader)
+                freed = await until(lambda: receivers.http_connections == 0)
+                tls = ssl.create_default_context(cafile=str(pki.ca))
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(f"https://127.0.0.1:{port}/v1/traces", ssl=tls,
+                                            data=batch("tls", 1).SerializeToString(),
+                                            headers={"Content-Type": PROTOBUF}) as response:
+                        status = response.status
+                silent.close()
+                return extra_closed, freed, status, receivers.stats.copy()
+
+        extra_closed, freed, status, stats = asyncio.run(scenario())
+        assert extra_closed and freed and status == 200
+        assert stats["http_connections_refused"] == 1 and stats["http_handshakes_failed"] >= 1
+        assert names_by_client(consumer) == {"tls": ["tls-0"]}
+
+    def test_shutdown_is_prompt_with_connections_held_open(self):
+        async def scenario():
+            async with contextlib.AsyncExitStack() as stack:
+                receivers = await stack.enter_async_context(serving(RecordingConsumer(), grpc=None, max_connections=4))
+                held = [await asyncio.open_connection("127.0.0.1", receivers.http_port) for _ in range(4)]
+                assert await until(lambda: receivers.http_connections == 4)
+                started = time.monotonic()
+                await receivers.shutdown(0.5)
+                took = time.monotonic() - started
+                closed = [await closed_by_server(r) for r, _ in held]
+                return took, closed, receivers.http_connections
+
+        took, closed, still_open = asyncio.run(scenario())
+        assert took < 5 and all(closed) and still_open == 0
+
+
 def test_service_metrics_count_client_refusals_without_naming_the_client():
     from kvmiss.enricher.service import Service
     from kvmiss.schemas.config import parse_config
@@ -369,7 +523,7 @@ listen = ":0"
     assert refused >= 200
     match = re.search(r'^kvmiss_spans_refused_total\{reason="client_rate_limit"\} (\S+)$', text, re.M)
     assert match and float(match[1]) == refused
-    assert re.search(r"^kvmiss_otlp_clients_tracked 1.0$", text, re.M)
+    assert re.search(r"^kvmiss_otlp_http_connections ", text, re.M)
     label_values = re.findall(r'="([^"]*)"', "\n".join(l for l in text.splitlines() if not l.startswith("#")))
     assert not any("127.0.0" in v for v in label_values)
 
@@ -378,5 +532,7 @@ def test_the_config_keys_reach_the_receivers():
     from kvmiss.enricher.service import Service
     from kvmiss.schemas.config import parse_config
 
-    config = parse_config("[otlp]\ngrpc = ''\nhttp = ''\nmax_spans_per_s_per_client = 5\n[metrics]\nlisten = ''\n")
-    assert Service(config).receivers.clients.per_s == 5
+    config = parse_config("[otlp]\ngrpc = ''\nhttp = ''\nmax_connections = 7\nmax_spans_per_s_per_client = 5\n"
+                          "[metrics]\nlisten = ''\n")
+    receivers = Service(config).receivers
+    assert receivers._max_connections == 7 and receivers.clients.per_s == 5

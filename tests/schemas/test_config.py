@@ -45,6 +45,10 @@ def test_a_bad_key_is_named(text, fragment):
     ("max_spans_per_s_per_client = -1", "otlp.max_spans_per_s_per_client must be a finite number >= 0"),
     ("max_spans_per_s_per_client = nan", "otlp.max_spans_per_s_per_client must be a finite number >= 0"),
     ("max_spans_per_s = inf", "otlp.max_spans_per_s must be a finite number >= 0"),
+    ("max_connections = -1", "otlp.max_connections must be between 0 (no cap) and 1000000, got -1"),
+    ("max_connections = 2000000", "otlp.max_connections must be between 0 (no cap) and 1000000"),
+    ("max_connections = 1.5", "otlp.max_connections"),
+    ("max_connections = '10'", "otlp.max_connections"),
 ])
 def test_intake_limits_are_validated_naming_the_key(setting, fragment):
     with pytest.raises(ConfigError) as info:
@@ -54,8 +58,8 @@ def test_intake_limits_are_validated_naming_the_key(setting, fragment):
 
 def test_intake_limit_defaults():
     otlp = parse_config("").otlp
-    assert (otlp.max_spans_per_s_per_client, otlp.max_spans_per_s) == (0, 0)
-    assert parse_config("[otlp]\nmax_spans_per_s_per_client = 12.5\n").otlp.max_spans_per_s_per_client == 12.5
+    assert (otlp.max_connections, otlp.max_spans_per_s_per_client, otlp.max_spans_per_s) == (256, 0, 0)
+    assert parse_config("[otlp]\nmax_connections = 0\nmax_spans_per_s_per_client = 12.5\n").otlp.max_connections == 0
 
 
 def test_a_secret_never_shows_in_errors_or_reprs():
