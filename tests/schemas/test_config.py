@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from kvmiss.schemas.config import ConfigError, WorkerSpec, load_config, offset_endpoint, parse_config
+from kvmiss.schemas.config import ConfigError, OtlpConfig, WorkerSpec, load_config, offset_endpoint, parse_config
 from shared_data import load_json
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvmiss.toml"
@@ -60,6 +62,16 @@ def test_intake_limit_defaults():
     otlp = parse_config("").otlp
     assert (otlp.max_connections, otlp.max_spans_per_s_per_client, otlp.max_spans_per_s) == (256, 0, 0)
     assert parse_config("[otlp]\nmax_connections = 0\nmax_spans_per_s_per_client = 12.5\n").otlp.max_connections == 0
+
+
+def test_every_otlp_key_is_in_the_example_with_a_comment():
+    """[otlp] holds the listeners and every intake limit: each key is in the example (set, or
+    commented out), with a comment on its line saying what it does."""
+    section = EXAMPLE.read_text().split("[otlp]\n", 1)[1].split("\n[", 1)[0]
+    for field in msgspec.structs.fields(OtlpConfig):
+        line = next((l for l in section.splitlines() if re.match(rf"#?\s*{field.name}\s*=", l)), None)
+        assert line is not None, f"otlp.{field.name} is missing from examples/kvmiss.toml"
+        assert "#" in line.lstrip("# ").split("=", 1)[1], f"otlp.{field.name} has no comment in the example"
 
 
 def test_a_secret_never_shows_in_errors_or_reprs():
