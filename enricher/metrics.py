@@ -9,7 +9,7 @@ exemplars (OpenMetrics exposition), which link a label's counter to one of its t
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -38,11 +38,13 @@ class KvmissCollector(Collector):
         exemplars: dict[tuple[Label, str, str], str] | None = None,
         exports: Callable[[], list] = list,
         clock_bounds: tuple[float, float] | None = None,
+        intake: Callable[[], Mapping[str, int]] = dict,
     ):
         self.stats = stats
         self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
         self.streams = streams
         self.exports = exports  # the service's ExportQueues
+        self.intake = intake  # the OTLP receivers' counters and gauges (receiver.Receivers)
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
 
@@ -171,8 +173,13 @@ class KvmissCollector(Collector):
         received.add_metric([], s.spans_in)
         exported = CounterMetricFamily("kvmiss_spans_exported", "Spans handed to the exporter.")
         exported.add_metric([], s.spans_out)
-        refused = CounterMetricFamily("kvmiss_spans_refused", "Spans refused with a retryable error (backpressure).")
-        refused.add_metric([], s.spans_refused)
+        intake = self.intake()
+        refused = CounterMetricFamily(
+            "kvmiss_spans_refused", "Spans refused with a retryable error, by reason: pending_full (backpressure), "
+            "rate_limit ([otlp] max_spans_per_s), client_rate_limit (max_spans_per_s_per_client).", labels=["reason"])
+        refused.add_metric(["pending_full"], s.spans_refused)
+        refused.add_metric(["rate_limit"], intake.get("spans_refused_rate_limit", 0))
+        refused.add_metric(["client_rate_limit"], intake.get("spans_refused_client_rate_limit", 0))
         lost = CounterMetricFamily("kvmiss_spans_lost_on_restart", "Spans the previous run acknowledged but never exported (a crash), from the export journal.")
         lost.add_metric([], s.lost_on_restart)
         unenriched = CounterMetricFamily("kvmiss_requests_unenriched", "Requests passed on without a full judgement, by reason.", labels=["reason"])
@@ -186,3 +193,17 @@ class KvmissCollector(Collector):
         buckets = [(str(b), c) for b, c in zip(WAIT_BUCKETS, h.counts)] + [("+Inf", h.total)]
         waits.add_metric([], buckets, h.sum)
         yield from (received, exported, refused, lost, unenriched, bad, waits)
+        yield from self._connections(intake)
+
+    def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:
+        """OTLP intake limits that are not about spans. No peer address is ever a label:
+        clients are counted, not named (the receiver logs a limited client once)."""
+        refused = CounterMetricFamily("kvmiss_otlp_http_connections_refused",
+                                      "OTLP/HTTP connections closed on arrival: [otlp] max_connections were open.")
+        refused.add_metric([], intake.get("http_connections_refused", 0))
+        open_ = GaugeMetricFamily("kvmiss_otlp_http_connections", "Open OTLP/HTTP connections.")
+        open_.add_metric([], intake.get("http_connections", 0))
+        clients = GaugeMetricFamily("kvmiss_otlp_clients_tracked",
+                                    "Clients (peer addresses) with a per-client rate bucket; bounded.")
+        clients.add_metric([], intake.get("clients_tracked", 0))
+        yield from (refused, open_, clients)

@@ -9,12 +9,25 @@ outcome     gRPC                                         HTTP
 ==========  ===========================================  ======================================
 ACCEPTED    OK; ``partial_success`` iff spans rejected    200; same body, request's content type
 RETRYABLE   UNAVAILABLE + ``google.rpc.RetryInfo``        503 + ``Retry-After`` (integer s, >= 1)
+(a client   UNAVAILABLE + ``google.rpc.RetryInfo``        429 + ``Retry-After`` (integer s, >= 1)
+over its
+share)
 PERMANENT   INVALID_ARGUMENT                             400
 ==========  ===========================================  ======================================
 
 HTTP also answers 415 (content type or encoding not supported), 413 (body larger than
 ``OtlpConfig.max_body_bytes`` after gunzip; not retryable) and 400 (malformed body). Error
 bodies are a ``google.rpc.Status`` in the request's content type, as OTLP/HTTP asks.
+
+Intake limits, before the consumer sees a span: ``max_spans_per_s_per_client`` (a token
+bucket per peer IP address, shared by both receivers, in a table of at most
+`MAX_TRACKED_CLIENTS` peers) and then ``max_spans_per_s`` (one bucket for everyone). Each
+receiver holds at most ``max_connections`` open connections: HTTP closes any further one as
+soon as it is accepted (before a TLS handshake; counted), gRPC leaves it to grpc core
+(``grpc.max_allowed_incoming_connections``, per listening address: the client sees
+UNAVAILABLE, which it retries). Every gRPC connection carries at most
+`GRPC_STREAMS_PER_CONNECTION` calls at a time (more wait in the client), and connections
+idle for `IDLE_CONNECTION_S` are closed on both, so dead clients give their slots back.
 
 Thread contract: `Receivers` lives on one event loop; construct it anywhere, call `start`,
 `shutdown` and read `stats` from that loop only. The consumer is awaited on the same loop
@@ -26,13 +39,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import errno
 import json
 import logging
 import math
+import resource
 import socket
 import ssl
+import struct
 import time
+import urllib.parse
 import zlib
+from typing import Callable
 
 import grpc
 from aiohttp import web
@@ -59,6 +77,13 @@ _GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _THREAD_GUNZIP_BYTES = 32 * 1024  # below it, a thread hop (~50 us) costs more than it frees
 _INTERNAL = ConsumeResult(Outcome.PERMANENT, message="internal error")  # marker, see _deliver
+MAX_TRACKED_CLIENTS = 4096  # peers with a per-client rate bucket; the least recent is forgotten
+GRPC_STREAMS_PER_CONNECTION = 16  # concurrent calls on one gRPC connection (HTTP/2 streams)
+IDLE_CONNECTION_S = 75.0  # a connection with no request for this long is closed
+TLS_HANDSHAKE_TIMEOUT_S = 10.0  # an HTTP connection's TLS handshake holds a slot this long at most
+_ACCEPT_RETRY_S = 1.0  # after the process ran out of file descriptors, like asyncio's servers
+_LIMIT_WARNING_INTERVAL_S = 10.0  # at most one line per limit in this many seconds
+_FD_LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def drop_invalid_spans(request: ExportTraceServiceRequest) -> int:
@@ -223,6 +248,116 @@ class SpanRate:
     def wait_s(self, spans: int) -> float:
         return max(1.0, (min(spans, self.per_s) - self.tokens) / self.per_s)
 
+    def give_back(self, spans: int) -> None:
+        """Undo the `take` just made (a later limit refused the request)."""
+        self.tokens += spans
+
+
+class _ClientRate(SpanRate):
+    limited = False  # refused at least once (its address was logged then)
+
+
+class ClientRates:
+    """A `SpanRate` of ``per_s`` for each client, keyed by peer address, in a table of at most
+    ``max_clients`` entries. A full table forgets its least recently seen client: a forgotten
+    client that comes back starts with a full bucket (more lenient, never stricter), and a
+    client sending right now is never the one forgotten. O(1) per request."""
+
+    def __init__(self, per_s: float, max_clients: int = MAX_TRACKED_CLIENTS):
+        if max_clients < 1:
+            raise ValueError("max_clients must be >= 1")
+        self.per_s = per_s
+        self.max_clients = max_clients
+        self.forgotten = 0
+        self._rates: collections.OrderedDict[str, _ClientRate] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rates)
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._rates
+
+    def rate(self, peer: str) -> _ClientRate:
+        rate = self._rates.get(peer)
+        if rate is not None:
+            self._rates.move_to_end(peer)
+            return rate
+        if len(self._rates) >= self.max_clients:
+            self._rates.popitem(last=False)
+            self.forgotten += 1
+        rate = self._rates[peer] = _ClientRate(self.per_s)
+        return rate
+
+
+UNKNOWN_PEER = "unknown"
+
+
+def client_key(host: str | None) -> str:
+    """The per-client key of a peer IP address: an IPv4-mapped IPv6 address counts as its
+    IPv4 address (one host, either socket family); no address is one shared key."""
+    if not host:
+        return UNKNOWN_PEER
+    host = host.lower()
+    if host.startswith("::ffff:") and "." in host:
+        return host[7:]
+    return host
+
+
+def grpc_peer_host(peer: str | None) -> str:
+    """The client key of a grpc peer string: ``ipv4:10.0.0.7:53422`` -> ``10.0.0.7``,
+    ``ipv6:%5B::1%5D:53422`` (or unquoted) -> ``::1``; unix sockets and anything else are
+    one key per transport kind."""
+    if not peer:
+        return UNKNOWN_PEER
+    kind, _, address = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return kind if kind in ("unix", "unix-abstract", "vsock") else UNKNOWN_PEER
+    host = urllib.parse.unquote(address).rpartition(":")[0]
+    return client_key(host.strip("[]"))
+
+
+class _CountedConnection(asyncio.Protocol):
+    """An accepted HTTP connection: aiohttp's protocol behind it, and a connection slot that is
+    given back exactly once, when the connection closes (or when it never opened)."""
+
+    __slots__ = ("_inner", "_release", "opened")
+
+    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None]) -> None:
+        self._inner = inner
+        self._release: Callable[[], None] | None = release
+        self.opened = False
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.opened = True
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)
+        finally:
+            self.release()
+
+
+class _ClientLimited(ConsumeResult, frozen=True):
+    """RETRYABLE because this client is over its own share (HTTP answers 429, not 503)."""
+
 
 class Receivers:
     """The OTLP/gRPC and OTLP/HTTP receivers of one process, sharing one consumer.
@@ -230,14 +365,26 @@ class Receivers:
     ``config.grpc`` / ``config.http`` are listen addresses (None or "" disables that
     receiver; port 0 picks a free port, see `grpc_port` / `http_port`). With
     ``config.tls_cert`` and ``config.tls_key`` both serve TLS only (HTTP: TLS >= 1.2).
-    ``stats`` counts requests and spans by outcome and reason (read it at scrape time).
+    ``stats`` counts requests and spans by outcome and reason (read it at scrape time);
+    `gauges` adds the open HTTP connections and the size of the per-client table.
+    ``clock`` (monotonic seconds) drives the rate limits; ``max_clients`` bounds the table.
     """
 
-    def __init__(self, config: OtlpConfig, consumer: TracesConsumer) -> None:
+    def __init__(self, config: OtlpConfig, consumer: TracesConsumer, *,
+                 clock: Callable[[], float] = time.monotonic, max_clients: int = MAX_TRACKED_CLIENTS) -> None:
         self._config = config
         self._consumer = consumer
         self._max_body = config.max_body_bytes
+        self._clock = clock
         self._rate = SpanRate(config.max_spans_per_s) if config.max_spans_per_s > 0 else None
+        per_client = config.max_spans_per_s_per_client
+        self.clients = ClientRates(per_client, max_clients) if per_client > 0 else None
+        self._max_connections = config.max_connections
+        self._http_connections = 0  # open (accepted, not yet closed) HTTP connections
+        self._http_sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._handshakes: set[asyncio.Task] = set()  # HTTP connections being set up (TLS)
+        self._warned_at: dict[str, float] = {}  # limit -> when it was last logged
         self.stats: collections.Counter[str] = collections.Counter()
         self._grpc_server: grpc.aio.Server | None = None
         self._http_runner: web.AppRunner | None = None
@@ -267,6 +414,7 @@ class Receivers:
         except BaseException:
             await self.shutdown(0)
             raise
+        _check_fd_limit(self._max_connections, bool(self._config.grpc) + bool(self._config.http))
         log.info("OTLP receivers listening: grpc=%s http=%s tls=%s", self.grpc_port, self.http_port,
                  "on" if self._http_tls is not None else "off")
 
@@ -277,11 +425,26 @@ class Receivers:
             self._shutdown = asyncio.ensure_future(self._stop(grace))
         await asyncio.shield(self._shutdown)
 
+    @property
+    def http_connections(self) -> int:
+        """Open OTLP/HTTP connections (at most ``max_connections`` when that is set)."""
+        return self._http_connections
+
+    def gauges(self) -> dict[str, int]:
+        """Point-in-time values for the metrics endpoint (``stats`` holds the counters)."""
+        return {"http_connections": self._http_connections,
+                "clients_tracked": len(self.clients) if self.clients is not None else 0}
+
     async def _stop(self, grace: float) -> None:
         grace = max(0.0, grace)
-        if self._http_runner is not None:
-            for site in list(self._http_runner.sites):
-                await site.stop()  # closes the listening socket only
+        if self._accepting is not None:  # stop accepting and close the listening socket only
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._http_sock is not None:
+            self._http_sock.close()
+        for task in list(self._handshakes):  # not yet connections: nothing to drain
+            task.cancel()
+        await asyncio.gather(*self._handshakes, return_exceptions=True)
         waits = [self._stop_http(grace)]
         if self._grpc_server is not None:
             waits.append(self._grpc_server.stop(grace))
@@ -298,7 +461,8 @@ class Receivers:
 
     # -- shared by both receivers ------------------------------------------------------
 
-    async def _deliver(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+    async def _deliver(self, request: ExportTraceServiceRequest, peer: str = UNKNOWN_PEER) -> ConsumeResult:
+        """``peer``: the client's key (`client_key` / `grpc_peer_host`), for its own rate limit."""
         self.stats["requests"] += 1
         rejected = drop_invalid_spans(request)
         if rejected:
@@ -307,10 +471,8 @@ class Receivers:
         self.stats["spans_received"] += n_spans + rejected
         if n_spans == 0:  # nothing left to hand on (empty request, or every span bad)
             result = ConsumeResult(Outcome.ACCEPTED)
-        elif self._rate is not None and not self._rate.take(n_spans, time.monotonic()):
-            self.stats["requests_rate_limited"] += 1
-            return ConsumeResult(Outcome.RETRYABLE, message="kvmiss intake rate limit",
-                                 retry_after_s=self._rate.wait_s(n_spans))
+        elif (refused := self._admit(n_spans, peer)) is not None:
+            return refused
         else:
             try:
                 result = await self._consumer.consume(request)
@@ -327,16 +489,56 @@ class Receivers:
             result = ConsumeResult(Outcome.ACCEPTED, rejected_spans=result.rejected_spans + rejected, message=message)
         return result
 
+    def _admit(self, spans: int, peer: str) -> ConsumeResult | None:
+        """Take ``spans`` from the client's bucket, then from the global one; None when both
+        had room, else the refusal (and nothing taken from either)."""
+        now = self._clock()
+        client = self.clients.rate(peer) if self.clients is not None else None
+        if client is not None and not client.take(spans, now):
+            self.stats["requests_client_rate_limited"] += 1
+            self.stats["spans_refused_client_rate_limit"] += spans
+            if not client.limited:
+                client.limited = True
+                self._warn("client", "OTLP client %s is over otlp.max_spans_per_s_per_client (%g spans/s): its "
+                           "excess is refused with a retry delay (logged once per client, at most every %g s; "
+                           "counted in kvmiss_spans_refused_total{reason=\"client_rate_limit\"})",
+                           peer, client.per_s, _LIMIT_WARNING_INTERVAL_S)
+            return _ClientLimited(Outcome.RETRYABLE, message="kvmiss per-client intake rate limit",
+                                  retry_after_s=client.wait_s(spans))
+        if self._rate is not None and not self._rate.take(spans, now):
+            if client is not None:
+                client.give_back(spans)
+            self.stats["requests_rate_limited"] += 1
+            self.stats["spans_refused_rate_limit"] += spans
+            return ConsumeResult(Outcome.RETRYABLE, message="kvmiss intake rate limit",
+                                 retry_after_s=self._rate.wait_s(spans))
+        return None
+
+    def _warn(self, limit: str, message: str, *args: object) -> None:
+        """Log ``message`` at WARNING unless this limit was logged in the last few seconds
+        (the counters in ``stats`` see every case)."""
+        now = time.monotonic()
+        if now < self._warned_at.get(limit, -math.inf) + _LIMIT_WARNING_INTERVAL_S:
+            return
+        self._warned_at[limit] = now
+        log.warning(message, *args)
+
     # -- gRPC ----------------------------------------------------------------------------
 
     async def _start_grpc(self, address: str) -> None:
         host, port = parse_listen(address)
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", self._max_body),  # default 4 MiB is too small
-                ("grpc.so_reuseport", 0),  # else a second kvmiss silently shares the port
-            ]
-        )
+        options = [
+            ("grpc.max_receive_message_length", self._max_body),  # default 4 MiB is too small
+            ("grpc.so_reuseport", 0),  # else a second kvmiss silently shares the port
+            ("grpc.max_concurrent_streams", GRPC_STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
+        ]
+        if self._max_connections:  # grpc core closes further connections as they arrive
+            options.append(("grpc.max_allowed_incoming_connections", self._max_connections))
+        # No maximum_concurrent_rpcs: grpcio answers it with RESOURCE_EXHAUSTED and no
+        # RetryInfo, which OTLP clients (the Collector's) treat as final; connections x
+        # streams bound the calls instead, and handlers are coroutines (no thread per call).
+        server = grpc.aio.server(options=options)
         # Registered by hand with a bytes-in handler so that a corrupt body is answered
         # INVALID_ARGUMENT here; grpcio's own deserializer would answer UNKNOWN.
         servicer = _TraceService(self)
@@ -362,7 +564,8 @@ class Receivers:
         app.router.add_post(TRACES_PATH, self._handle_http)
         # auto_decompress off: we gunzip ourselves with the size cap (no gzip bombs);
         # shutdown_timeout short: `_stop` already waited out the grace period.
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False, shutdown_timeout=0.1)
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False, shutdown_timeout=0.1,
+                               keepalive_timeout=IDLE_CONNECTION_S)
         await runner.setup()
         self._http_runner = runner
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -371,11 +574,61 @@ class Receivers:
             # SO_REUSEADDR (restart over TIME_WAIT), never SO_REUSEPORT (silent port sharing).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
+            sock.listen(512)
+            sock.setblocking(False)
         except OSError:
             sock.close()
             raise
-        await web.SockSite(runner, sock, backlog=512, ssl_context=self._http_tls).start()
+        self._http_sock = sock
         self.http_port = sock.getsockname()[1]
+        # Our own accept loop, not aiohttp's site: a connection over the cap is closed before
+        # any TLS handshake, and a slot is given back even when a handshake fails.
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_http(sock), name="kvmiss-otlp-http-accept")
+
+    async def _accept_http(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if exc.errno in _FD_LIMIT_ERRNOS:  # the backlog keeps the connection meanwhile
+                    self.stats["http_accept_errors"] += 1
+                    self._warn("accept", "OTLP/HTTP: cannot accept a connection (%s); lower otlp.max_connections "
+                               "or raise the file descriptor limit (ulimit -n)", exc.strerror)
+                    await asyncio.sleep(_ACCEPT_RETRY_S)
+                elif sock.fileno() == -1 or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listening socket is closed: shutting down
+                continue  # ECONNABORTED and the like: that client is gone already
+            if self._max_connections and self._http_connections >= self._max_connections:
+                self.stats["http_connections_refused"] += 1
+                self._warn("connections", "OTLP/HTTP: %d connections open (otlp.max_connections): closing new "
+                           "ones until some close (counted in kvmiss_otlp_http_connections_refused_total)",
+                           self._http_connections)
+                _abort(conn)
+                continue
+            self._http_connections += 1
+            self.stats["http_connections_accepted"] += 1
+            task = loop.create_task(self._open_http(conn))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _open_http(self, conn: socket.socket) -> None:
+        assert self._http_runner is not None and self._http_runner.server is not None
+        connection = _CountedConnection(self._http_runner.server(), self._release_http)
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: connection, conn, ssl=self._http_tls,
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._http_tls is not None else None)
+        except (Exception, asyncio.CancelledError) as exc:  # a failed or cancelled TLS handshake
+            if not connection.opened:  # else its connection_lost gives the slot back
+                connection.release()
+            conn.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            self.stats["http_handshakes_failed"] += 1
+
+    def _release_http(self) -> None:
+        self._http_connections -= 1
 
     async def _handle_http(self, http_request: web.Request) -> web.Response:
         self._in_flight += 1
@@ -402,13 +655,14 @@ class Receivers:
         except _Rejected as rejected:
             self.stats[f"requests_{rejected.reason}"] += 1
             return self._http_error(rejected.status, str(rejected), ctype)
-        result = await self._deliver(request)
+        result = await self._deliver(request, client_key(http_request.remote))
         if result is _INTERNAL:
             return self._http_error(500, result.message, ctype)
         if result.outcome is Outcome.RETRYABLE:
             seconds = result.retry_after_s if result.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
             headers = {"Retry-After": str(max(1, math.ceil(seconds)))}
-            return self._http_error(503, result.message or "try again later", ctype, headers)
+            status = 429 if isinstance(result, _ClientLimited) else 503
+            return self._http_error(status, result.message or "try again later", ctype, headers)
         if result.outcome is Outcome.PERMANENT:
             return self._http_error(400, result.message or "rejected", ctype)
         response = ExportTraceServiceResponse()
@@ -446,7 +700,8 @@ class Receivers:
 
     @staticmethod
     def _http_error(status: int, message: str, ctype: str, headers: dict | None = None) -> web.Response:
-        code = {400: code_pb2.INVALID_ARGUMENT, 413: code_pb2.INVALID_ARGUMENT, 503: code_pb2.UNAVAILABLE}
+        code = {400: code_pb2.INVALID_ARGUMENT, 413: code_pb2.INVALID_ARGUMENT, 429: code_pb2.RESOURCE_EXHAUSTED,
+                503: code_pb2.UNAVAILABLE}
         if ctype not in (PROTOBUF, JSON):  # cannot answer in a type we do not speak
             return web.Response(status=status, text=message, headers=headers)
         body = _encode(status_pb2.Status(code=code.get(status, code_pb2.INTERNAL), message=message), ctype)
@@ -466,7 +721,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         except DecodeError as exc:
             receivers.stats["requests_malformed"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode ExportTraceServiceRequest: {exc}")
-        result = await receivers._deliver(request)
+        result = await receivers._deliver(request, grpc_peer_host(context.peer()))
         if result is _INTERNAL:
             await context.abort(grpc.StatusCode.INTERNAL, result.message)
         if result.outcome is Outcome.RETRYABLE:
@@ -481,6 +736,26 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             response.partial_success.rejected_spans = result.rejected_spans
             response.partial_success.error_message = result.message
         return response
+
+
+def _abort(conn: socket.socket) -> None:
+    """Close an accepted socket at once with a reset: no TIME_WAIT left behind, and the
+    client sees a connection error, which OTLP clients retry."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    conn.close()
+
+
+def _check_fd_limit(max_connections: int, receivers: int) -> None:
+    """Warn when the receivers at their connection cap would pass the soft file descriptor
+    limit: the process would then run out of descriptors before the cap stops anyone."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = receivers * max_connections + 64  # plus the process's own files and sockets
+    if max_connections and soft != resource.RLIM_INFINITY and needed > soft:
+        log.warning("otlp.max_connections = %d per receiver needs about %d file descriptors, more than the "
+                    "limit of %d: lower it or raise the limit (ulimit -n)", max_connections, needed, soft)
 
 
 def _encode(message: Message, ctype: str) -> bytes:

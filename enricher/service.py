@@ -116,7 +116,8 @@ class Service:
         self.registry.register(KvmissCollector(
             self.pipeline.stats, lambda: self.fleet.streams,
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
-            exports=lambda: self.queues, clock_bounds=self.clock_bounds))
+            exports=lambda: self.queues, clock_bounds=self.clock_bounds,
+            intake=lambda: {**self.receivers.stats, **self.receivers.gauges()}))
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
         self._ticker: asyncio.Task | None = None

@@ -7,6 +7,7 @@ examples/kvmiss.toml for a commented example.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -66,6 +67,9 @@ def offset_endpoint(endpoint: str, dp_rank: int) -> str:
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 
 
+MAX_CONNECTIONS_LIMIT = 1_000_000  # above any file-descriptor limit; grpc takes a C int
+
+
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
@@ -77,6 +81,10 @@ class OtlpConfig(_Section):
     max_pending_spans: int = 200_000  # beyond it: UNAVAILABLE / 503 with a retry delay
     max_spans_per_s: float = 0.0  # intake rate limit across both receivers (0: none); beyond
     # it senders get UNAVAILABLE / 503 with a retry delay, like a full buffer
+    # The same per client (peer IP address, over both receivers; 0: none): one sender cannot
+    # take the others' share. Beyond it: UNAVAILABLE / 429 with a retry delay.
+    max_spans_per_s_per_client: float = 0.0
+    max_connections: int = 256  # open connections per receiver (0: no cap); more are closed
     tls_cert: str | None = None  # PEM certificate chain: with tls_key, both receivers use TLS
     tls_key: str | None = None  # PEM private key
 
@@ -197,8 +205,13 @@ def _check(config: Config, source: str) -> None:
                         ("export.timeout_s", config.export.timeout_s)):
         if not value > 0:
             raise ConfigError(f"{source}: {name} must be positive, got {value}")
-    if config.otlp.max_spans_per_s < 0:
-        raise ConfigError(f"{source}: otlp.max_spans_per_s must be >= 0 (0: no limit)")
+    for name, value in (("otlp.max_spans_per_s", config.otlp.max_spans_per_s),
+                        ("otlp.max_spans_per_s_per_client", config.otlp.max_spans_per_s_per_client)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{source}: {name} must be a finite number >= 0 (0: no limit), got {value}")
+    if not 0 <= config.otlp.max_connections <= MAX_CONNECTIONS_LIMIT:
+        raise ConfigError(f"{source}: otlp.max_connections must be between 0 (no cap) and "
+                          f"{MAX_CONNECTIONS_LIMIT}, got {config.otlp.max_connections}")
     if bool(config.otlp.tls_cert) != bool(config.otlp.tls_key):
         raise ConfigError(f"{source}: otlp.tls_cert and otlp.tls_key go together")
     if config.engine.block_size <= 0:

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
                else DigestKey(secrets.token_bytes(32)))
         result = compare(reference, candidate, digest=lambda text: key.digest_text(text))
     except (ValueError, HashingError, DigestKeyError) as exc:
-        print(f"kvmiss compare: {exc}", file=sys.stderr)
+        # One line, even when the input put a newline into the message (an unknown key).
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))
+        print(f"kvmiss compare: {text}", file=sys.stderr)
         return 2
     out = msgspec.to_builtins(result)
     if args.show_snippet and result.first_differing_token is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import struct
@@ -230,3 +231,19 @@ def test_a_large_block_size_costs_no_memory_in_the_block_size():
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
+
+
+def test_compare_keeps_its_error_to_one_line_when_the_input_names_a_key_with_a_newline(tmp_path):
+    """Was: ``Object contains unknown field `\\n``` printed across two lines (found by
+    test_fuzz_prompts): scripts reading the one error line got half of it."""
+    from kvmiss.enricher.cli import compare_cmd
+
+    good = {"algo": "sha256", "seed": "0", "block_size": 16, "token_ids": list(range(32))}
+    (tmp_path / "ref.json").write_text(json.dumps(good))
+    (tmp_path / "cand.json").write_text(json.dumps({**good, "\n": 1}))
+    args = argparse.Namespace(reference=str(tmp_path / "ref.json"), candidate=str(tmp_path / "cand.json"),
+                              expect_shared_tokens=None, digest_key_env=None, show_snippet=False)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert compare_cmd.run(args) == 2
+    assert err.getvalue().count("\n") == 1 and "unknown field `\\n`" in err.getvalue()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from kvmiss.schemas.config import ConfigError, WorkerSpec, load_config, offset_endpoint, parse_config
+from kvmiss.schemas.config import ConfigError, OtlpConfig, WorkerSpec, load_config, offset_endpoint, parse_config
 from shared_data import load_json
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvmiss.toml"
@@ -39,6 +41,37 @@ def test_a_bad_key_is_named(text, fragment):
     with pytest.raises(ConfigError) as info:
         parse_config(text, source="k.toml")
     assert fragment in str(info.value) and str(info.value).startswith("k.toml")
+
+
+@pytest.mark.parametrize("setting, fragment", [
+    ("max_spans_per_s_per_client = -1", "otlp.max_spans_per_s_per_client must be a finite number >= 0"),
+    ("max_spans_per_s_per_client = nan", "otlp.max_spans_per_s_per_client must be a finite number >= 0"),
+    ("max_spans_per_s = inf", "otlp.max_spans_per_s must be a finite number >= 0"),
+    ("max_connections = -1", "otlp.max_connections must be between 0 (no cap) and 1000000, got -1"),
+    ("max_connections = 2000000", "otlp.max_connections must be between 0 (no cap) and 1000000"),
+    ("max_connections = 1.5", "otlp.max_connections"),
+    ("max_connections = '10'", "otlp.max_connections"),
+])
+def test_intake_limits_are_validated_naming_the_key(setting, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"[otlp]\n{setting}\n", source="k.toml")
+    assert fragment in str(info.value) and str(info.value).startswith("k.toml")
+
+
+def test_intake_limit_defaults():
+    otlp = parse_config("").otlp
+    assert (otlp.max_connections, otlp.max_spans_per_s_per_client, otlp.max_spans_per_s) == (256, 0, 0)
+    assert parse_config("[otlp]\nmax_connections = 0\nmax_spans_per_s_per_client = 12.5\n").otlp.max_connections == 0
+
+
+def test_every_otlp_key_is_in_the_example_with_a_comment():
+    """[otlp] holds the listeners and every intake limit: each key is in the example (set, or
+    commented out), with a comment on its line saying what it does."""
+    section = EXAMPLE.read_text().split("[otlp]\n", 1)[1].split("\n[", 1)[0]
+    for field in msgspec.structs.fields(OtlpConfig):
+        line = next((l for l in section.splitlines() if re.match(rf"#?\s*{field.name}\s*=", l)), None)
+        assert line is not None, f"otlp.{field.name} is missing from examples/kvmiss.toml"
+        assert "#" in line.lstrip("# ").split("=", 1)[1], f"otlp.{field.name} has no comment in the example"
 
 
 def test_a_secret_never_shows_in_errors_or_reprs():
