@@ -317,7 +317,8 @@ class LagWindow:
         slots = self._slots
         if slots and recv_ts < slots[-1][0] + self._width:
             newest = slots[-1]
-            newest[1] = min(newest[1], lag)
+            if lag < newest[1]:  # (comparisons, not min(): this runs for every live batch)
+                newest[1] = lag
             newest[2] += 1
         else:
             slots.append([recv_ts, lag, 1])
@@ -332,8 +333,8 @@ class LagWindow:
             evicted = True
         if evicted or self.minimum is None:
             self.minimum = min(slot[1] for slot in slots)
-        else:
-            self.minimum = min(self.minimum, lag)
+        elif lag < self.minimum:
+            self.minimum = lag
         return self.minimum
 
 
