@@ -247,6 +247,14 @@ static int rel_seq(BlockTable *t, PyObject *obj, uint64_t *out) {
     return 0;
 }
 
+/* A batch's (seq, engine ts) arguments, the seq relative to the table as stored. */
+static int seq_and_ts(BlockTable *t, PyObject *seq_obj, PyObject *ts_obj, uint64_t *seq, double *ts) {
+    if (rel_seq(t, seq_obj, seq) < 0)
+        return -1;
+    *ts = PyFloat_AsDouble(ts_obj);
+    return (*ts == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
 static PyObject *abs_seq(BlockTable *t, uint64_t field) {
     uint64_t rel = field & SEQ_MASK;
     if (!rel)
@@ -403,10 +411,8 @@ static PyObject *BlockTable_remove(BlockTable *t, PyObject *const *args, Py_ssiz
         return NULL;
     }
     uint64_t seq;
-    if (rel_seq(t, args[1], &seq) < 0)
-        return NULL;
-    double ts = PyFloat_AsDouble(args[2]);
-    if (ts == -1.0 && PyErr_Occurred())
+    double ts;
+    if (seq_and_ts(t, args[1], args[2], &seq, &ts) < 0)
         return NULL;
     Py_ssize_t closed = table_remove(t, args[0], seq, ts);
     return closed < 0 ? NULL : PyLong_FromSsize_t(closed);
@@ -423,10 +429,8 @@ static PyObject *BlockTable_clear(BlockTable *t, PyObject *const *args, Py_ssize
         return NULL;
     }
     uint64_t seq;
-    if (rel_seq(t, args[0], &seq) < 0)
-        return NULL;
-    double ts = PyFloat_AsDouble(args[1]);
-    if (ts == -1.0 && PyErr_Occurred())
+    double ts;
+    if (seq_and_ts(t, args[0], args[1], &seq, &ts) < 0)
         return NULL;
     Py_ssize_t closed = 0;
     for (size_t i = 0; i < t->cap; i++) {
