@@ -31,6 +31,8 @@ import statistics
 import sys
 import time
 
+from benchlib import percentile, process_cpu_s, start_sink
+
 SPANS_PER_BATCH = 512
 
 
@@ -88,15 +90,8 @@ def make_batch(batch_id: int, n_spans: int, rng: random.Random):
     return request
 
 
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
 async def loadgen(conn, args) -> None:
@@ -120,13 +115,7 @@ async def loadgen(conn, args) -> None:
             waiting.pop(batch).set_result(None)
         return web.Response(body=ok_body, content_type="application/x-protobuf")
 
-    app = web.Application(client_max_size=256 * 1024 * 1024)
-    app.router.add_post("/v1/traces", sink)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    sink_port = runner.addresses[0][1]
+    runner, sink_port = await start_sink(sink)
     conn.send(("sink", sink_port))
     _, receiver_port = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
 

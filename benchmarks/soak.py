@@ -45,7 +45,6 @@ import platform
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,36 +54,19 @@ import urllib.request
 import zlib
 from pathlib import Path
 
+from benchlib import free_port, percentile, process_cpu_s, rss_mb, set_attr, start_sink
+
 BLOCK = 16
 UNKNOWN = ("unknown_history", "unknown_epoch")
 LABEL_MIX = (("resident_miss", 30), ("routing_miss", 25), ("evicted", 20), ("no_match", 20), ("hit", 5))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 # --- the fleet (child process) -----------------------------------------------------------------
@@ -202,13 +184,8 @@ async def _sink(conn) -> None:
             entry[2] += 1
         return web.Response(body=ok, content_type="application/x-protobuf")
 
-    app = web.Application(client_max_size=256 * 1024 * 1024)
-    app.router.add_post("/v1/traces", traces)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    conn.send(runner.addresses[0][1])
+    runner, port = await start_sink(traces)
+    conn.send(port)
     loop = asyncio.get_running_loop()
     while True:
         command = await loop.run_in_executor(None, conn.recv)
@@ -225,18 +202,6 @@ async def _sink(conn) -> None:
 # --- the load generator (this process) ---------------------------------------------------------
 
 
-def attr(attributes, key: str, value) -> None:
-    v = attributes.add(key=key).value
-    if isinstance(value, str):
-        v.string_value = value
-    elif isinstance(value, bool):
-        v.bool_value = value
-    elif isinstance(value, int):
-        v.int_value = value
-    elif isinstance(value, float):
-        v.double_value = value
-    else:
-        v.array_value.values.extend([type(v)(int_value=x) for x in value])
 
 
 def plain_template(n: int, rng: random.Random) -> bytes:
@@ -247,7 +212,7 @@ def plain_template(n: int, rng: random.Random) -> bytes:
     rs = request.resource_spans.add()
     for key, val in (("service.name", "llm-gateway"), ("service.instance.id", "gw-7f9c"),
                      ("host.name", "gpu-node-12"), ("deployment.environment", "prod")):
-        attr(rs.resource.attributes, key, val)
+        set_attr(rs.resource.attributes, key, val)
     ss = rs.scope_spans.add()
     ss.scope.name = "gateway"
     t0 = time.time_ns()
@@ -262,7 +227,7 @@ def plain_template(n: int, rng: random.Random) -> bytes:
                          ("gen_ai.request.model", "meta-llama/Llama-3.1-8B-Instruct"),
                          ("gen_ai.system", "vllm"), ("app.tenant_tier", "standard"),
                          ("app.latency_ms", rng.random() * 900)):
-            attr(span.attributes, key, val)
+            set_attr(span.attributes, key, val)
     return request.SerializeToString()
 
 
@@ -319,8 +284,8 @@ def router_request(batch_id: int, n: int, truth: Truth, rng: random.Random, args
 
     request = ExportTraceServiceRequest()
     rs = request.resource_spans.add()
-    attr(rs.resource.attributes, "service.name", "router")
-    attr(rs.resource.attributes, "soak.batch", batch_id)
+    set_attr(rs.resource.attributes, "service.name", "router")
+    set_attr(rs.resource.attributes, "soak.batch", batch_id)
     ss = rs.scope_spans.add()
     ss.scope.name = "router"
     now = time.time_ns()
@@ -339,7 +304,7 @@ def router_request(batch_id: int, n: int, truth: Truth, rng: random.Random, args
                          ("gen_ai.usage.cache_read.input_tokens", cached),
                          ("kvmiss.block_hashes", [7, h, 9]),
                          ("kvmiss.lookup_time_unix_nano", int(t * 1e9)), ("soak.expect", label)):
-            attr(span.attributes, key, val)
+            set_attr(span.attributes, key, val)
         made += 1
     return request.SerializeToString(), made
 
