@@ -3,6 +3,8 @@
 Flags override the file: ``--otlp-grpc``, ``--otlp-http``, ``--export``, ``--metrics``.
 Runs until SIGINT or SIGTERM, then stops intake, judges what it holds, flushes the
 exporters and exits. A bad configuration exits with status 2 and a message naming the key.
+``--check`` validates the configuration (and the digest key source) without opening a
+socket, prints what would run, and exits: 0 when it would start.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-http", help="OTLP/HTTP listen address (overrides [otlp] http)")
     parser.add_argument("--export", help="downstream OTLP endpoint (overrides [export] endpoint)")
     parser.add_argument("--metrics", help="metrics/health listen address (overrides [metrics] listen)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the configuration, print what would run, exit (0: it would start)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="json: one object per line (ts, level, logger, msg) for log pipelines")
@@ -49,6 +53,46 @@ def _with_overrides(config, args):
     export = config.export if args.export is None else msgspec.structs.replace(config.export, endpoint=args.export)
     metrics = config.metrics if args.metrics is None else msgspec.structs.replace(config.metrics, listen=args.metrics)
     return msgspec.structs.replace(config, otlp=otlp, export=export, metrics=metrics)
+
+
+def _check(config) -> int:
+    """What `serve` would run, from the validated config: no sockets, never the key."""
+    from google.protobuf.internal import api_implementation
+
+    from kvmiss.enricher.privacy import DigestKeyError, load_digest_key
+    from kvmiss.enricher.residency_table import ACCELERATED
+
+    privacy = config.privacy
+    if privacy.digest_key or privacy.digest_key_env:
+        try:
+            key = f"key id {load_digest_key(privacy.digest_key, privacy.digest_key_env).key_id}"
+        except DigestKeyError as exc:
+            print(f"kvmiss serve: privacy: {exc}", file=sys.stderr)
+            return 2
+    else:
+        key = "none configured: a random key per process (digests will not match across restarts)"
+    from kvmiss.enricher.exporter import build_exporters
+    try:  # the endpoint's scheme and TLS CA, as at start-up (the file is not opened here)
+        build_exporters(msgspec.structs.replace(config.export, file=None))
+    except (OSError, ValueError) as exc:
+        print(f"kvmiss serve: export: {exc}", file=sys.stderr)
+        return 2
+    export = " + ".join(filter(None, (config.export.endpoint, config.export.file))) or "none configured"
+    lines = [
+        f"otlp: grpc {config.otlp.grpc}, http {config.otlp.http}",
+        f"export: {export}",
+        f"metrics: {config.metrics.listen}",
+        f"engine: {config.engine.hash_algo}, seed {config.engine.hash_seed!r}, block size {config.engine.block_size}",
+        f"history: retention {config.history.retention_s:g} s, wait {config.history.wait_s:g} s",
+        f"privacy: {key}",
+        f"workers: {len(config.workers)}",
+        *(f"  {w.id}: {w.sub_endpoint()} (replay {w.replay_address() or 'none'})" for w in config.workers),
+        f"protobuf backend: {api_implementation.Type()}",
+        f"residency table: {'compiled' if ACCELERATED else 'pure-Python reference model (slow)'}",
+        "configuration OK",
+    ]
+    print("\n".join(lines))
+    return 0
 
 
 async def _serve(config) -> None:
@@ -77,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvmiss serve: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        return _check(config)
     try:
         asyncio.run(_serve(config))
     except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad endpoint

@@ -42,3 +42,39 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "otlp.max_body_bytes" in proc.stderr
+
+
+def _check(config_text: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    import os
+
+    config = tmp_path / "k.toml"
+    config.write_text(config_text)
+    return subprocess.run([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config), "--check"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+
+def test_check_validates_without_opening_a_socket_and_never_prints_the_key(tmp_path):
+    import socket
+
+    port = free_port()
+    with socket.socket() as held:  # the port is taken: a real start would fail, --check must not care
+        held.bind(("127.0.0.1", port))
+        done = _check(f'[otlp]\nhttp = "127.0.0.1:{port}"\n[export]\nendpoint = "grpc://127.0.0.1:4319"\n'
+                      '[privacy]\ndigest_key_env = "CHECK_TEST_KEY"\n'
+                      '[[workers]]\nid = "w1"\nendpoint = "tcp://10.0.0.7:5557"\n'
+                      'replay_endpoint = "tcp://10.0.0.7:5558"\ndp_rank = 2\n',
+                      tmp_path, CHECK_TEST_KEY="check-test-secret-0123456789")
+    assert done.returncode == 0, done.stderr
+    assert "configuration OK" in done.stdout
+    assert "w1: tcp://10.0.0.7:5559 (replay tcp://10.0.0.7:5560)" in done.stdout  # ports offset by rank
+    assert "export: grpc://127.0.0.1:4319" in done.stdout and "key id " in done.stdout
+    assert "check-test-secret" not in done.stdout + done.stderr
+
+
+def test_check_fails_on_what_start_up_would_fail_on(tmp_path):
+    missing_key = _check('[privacy]\ndigest_key_env = "CHECK_TEST_UNSET_KEY"\n', tmp_path)
+    assert missing_key.returncode == 2 and "CHECK_TEST_UNSET_KEY" in missing_key.stderr
+    bad_export = _check('[export]\nendpoint = "ftp://127.0.0.1:4319"\n', tmp_path)
+    assert bad_export.returncode == 2 and "export.endpoint" in bad_export.stderr
+    bad_key = _check("[history]\nretention_s = -5\n", tmp_path)
+    assert bad_key.returncode == 2 and "history.retention_s" in bad_key.stderr
