@@ -26,6 +26,11 @@ from kvmiss.schemas.attribution import LABEL_OWNER, ClockOffset, Label
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
 NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
+# Why an OTLP request was answered with an error before any of its spans was read (a fixed
+# set: the receiver's ``requests_<reason>`` counters).
+OTLP_REQUEST_REFUSALS = ("unsupported_media_type", "unsupported_encoding", "too_large", "malformed", "body_timeout")
+
+
 class KvmissCollector(Collector):
     """Builds every kvmiss metric family from live state when scraped."""
 
@@ -206,4 +211,13 @@ class KvmissCollector(Collector):
         clients = GaugeMetricFamily("kvmiss_otlp_clients_tracked",
                                     "Clients (peer addresses) with a per-client rate bucket; bounded.")
         clients.add_metric([], intake.get("clients_tracked", 0))
-        yield from (refused, open_, clients)
+        requests = CounterMetricFamily(
+            "kvmiss_otlp_requests_refused", "OTLP requests answered with an error before any span was read, by "
+            "reason: unsupported_media_type / unsupported_encoding (415), too_large (413), malformed (400), "
+            "body_timeout (408: the body took longer than [otlp] body_timeout_s).", labels=["reason"])
+        for reason in OTLP_REQUEST_REFUSALS:
+            requests.add_metric([reason], intake.get(f"requests_{reason}", 0))
+        stalled = CounterMetricFamily("kvmiss_otlp_http_answers_stalled",
+                                      "OTLP/HTTP connections closed because the client stopped reading its answer.")
+        stalled.add_metric([], intake.get("http_answers_stalled", 0))
+        yield from (refused, open_, clients, requests, stalled)

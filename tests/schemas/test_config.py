@@ -74,6 +74,18 @@ def test_every_otlp_key_is_in_the_example_with_a_comment():
         assert "#" in line.lstrip("# ").split("=", 1)[1], f"otlp.{field.name} has no comment in the example"
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "'30'"])
+def test_body_timeout_must_be_a_positive_finite_number_of_seconds(value):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"[otlp]\nbody_timeout_s = {value}\n", source="k.toml")
+    assert str(info.value).startswith("k.toml: ") and "otlp.body_timeout_s" in str(info.value)
+
+
+def test_body_timeout_default_and_integers():
+    assert parse_config("").otlp.body_timeout_s == 30.0
+    assert parse_config("[otlp]\nbody_timeout_s = 5\n").otlp.body_timeout_s == 5.0
+
+
 def test_a_secret_never_shows_in_errors_or_reprs():
     text = "[privacy]\ndigest_key = 'hunter2-hunter2-hunter2'\ndigest_key_env = 'X'\n"
     with pytest.raises(ConfigError) as info:
