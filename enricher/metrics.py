@@ -26,6 +26,13 @@ from kvmiss.schemas.attribution import LABEL_OWNER, ClockOffset, Label
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
 NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
+# Why an OTLP request was answered with an error before any of its spans was read (a fixed
+# set: the receiver's ``requests_<reason>`` counters).
+OTLP_REQUEST_REFUSALS = ("unsupported_media_type", "unsupported_encoding", "too_large", "malformed", "body_timeout")
+# The same for the metrics endpoint, which serves GETs only.
+ENDPOINT_REQUEST_REFUSALS = ("too_large", "body_timeout")
+
+
 class KvmissCollector(Collector):
     """Builds every kvmiss metric family from live state when scraped."""
 
@@ -39,12 +46,14 @@ class KvmissCollector(Collector):
         exports: Callable[[], list] = list,
         clock_bounds: tuple[float, float] | None = None,
         intake: Callable[[], Mapping[str, int]] = dict,
+        endpoint: Callable[[], Mapping[str, int]] = dict,
     ):
         self.stats = stats
         self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
         self.streams = streams
         self.exports = exports  # the service's ExportQueues
         self.intake = intake  # the OTLP receivers' counters and gauges (receiver.Receivers)
+        self.endpoint = endpoint  # the metrics listener's own counters (listener.HttpListener)
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
 
@@ -56,6 +65,7 @@ class KvmissCollector(Collector):
         yield from self._streams()
         yield from self._spans()
         yield from self._exports()
+        yield from self._endpoint()
 
     def _exports(self) -> Iterator[Metric]:
         """What happened to spans after the pipeline: a downstream outage that outlasts the
@@ -206,4 +216,31 @@ class KvmissCollector(Collector):
         clients = GaugeMetricFamily("kvmiss_otlp_clients_tracked",
                                     "Clients (peer addresses) with a per-client rate bucket; bounded.")
         clients.add_metric([], intake.get("clients_tracked", 0))
-        yield from (refused, open_, clients)
+        requests = CounterMetricFamily(
+            "kvmiss_otlp_requests_refused", "OTLP requests answered with an error before any span was read, by "
+            "reason: unsupported_media_type / unsupported_encoding (415), too_large (413), malformed (400 / "
+            "INVALID_ARGUMENT), body_timeout (408: the body took longer than [otlp] body_timeout_s).", labels=["reason"])
+        for reason in OTLP_REQUEST_REFUSALS:
+            requests.add_metric([reason], intake.get(f"requests_{reason}", 0))
+        stalled = CounterMetricFamily("kvmiss_otlp_http_answers_stalled",
+                                      "OTLP/HTTP connections closed because the client stopped reading its answer.")
+        stalled.add_metric([], intake.get("http_answers_stalled", 0))
+        yield from (refused, open_, clients, requests, stalled)
+
+    def _endpoint(self) -> Iterator[Metric]:
+        """The metrics endpoint's own bounds (a scraper locked out shows here afterwards)."""
+        counts = self.endpoint()
+        refused = CounterMetricFamily("kvmiss_metrics_http_connections_refused",
+                                      "Metrics endpoint connections closed on arrival: its connection cap was reached.")
+        refused.add_metric([], counts.get("connections_refused", 0))
+        open_ = GaugeMetricFamily("kvmiss_metrics_http_connections", "Open metrics endpoint connections.")
+        open_.add_metric([], counts.get("connections", 0))
+        requests = CounterMetricFamily(
+            "kvmiss_metrics_http_requests_refused", "Metrics endpoint requests refused, by reason: too_large (a "
+            "body over 4 KiB: 413), body_timeout (a body that did not arrive in time: 408).", labels=["reason"])
+        for reason in ENDPOINT_REQUEST_REFUSALS:
+            requests.add_metric([reason], counts.get(f"requests_{reason}", 0))
+        stalled = CounterMetricFamily("kvmiss_metrics_http_answers_stalled",
+                                      "Metrics endpoint connections closed because the client stopped reading its answer.")
+        stalled.add_metric([], counts.get("answers_stalled", 0))
+        yield from (refused, open_, requests, stalled)

@@ -16,8 +16,10 @@ PERMANENT   INVALID_ARGUMENT                             400
 ==========  ===========================================  ======================================
 
 HTTP also answers 415 (content type or encoding not supported), 413 (body larger than
-``OtlpConfig.max_body_bytes`` after gunzip; not retryable) and 400 (malformed body). Error
-bodies are a ``google.rpc.Status`` in the request's content type, as OTLP/HTTP asks.
+``OtlpConfig.max_body_bytes`` after gunzip; not retryable), 400 (malformed body) and 408 (the
+body did not arrive within ``OtlpConfig.body_timeout_s`` of the headers; the connection is
+closed after it). Error bodies are a ``google.rpc.Status`` in the request's content type, as
+OTLP/HTTP asks.
 
 Intake limits, before the consumer sees a span: ``max_spans_per_s_per_client`` (a token
 bucket per peer IP address, shared by both receivers, in a table of at most
@@ -27,7 +29,9 @@ soon as it is accepted (before a TLS handshake; counted), gRPC leaves it to grpc
 (``grpc.max_allowed_incoming_connections``, per listening address: the client sees
 UNAVAILABLE, which it retries). Every gRPC connection carries at most
 `GRPC_STREAMS_PER_CONNECTION` calls at a time (more wait in the client), and connections
-idle for `IDLE_CONNECTION_S` are closed on both, so dead clients give their slots back.
+idle for `IDLE_CONNECTION_S` are closed on both, so dead clients give their slots back. HTTP
+bounds slow clients too (enricher/listener.py): headers within `IDLE_CONNECTION_S`, the body
+within ``body_timeout_s``, an answer left unread for `listener.ANSWER_STALL_S`.
 
 Thread contract: `Receivers` lives on one event loop; construct it anywhere, call `start`,
 `shutdown` and read `stats` from that loop only. The consumer is awaited on the same loop
@@ -39,14 +43,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import errno
 import json
 import logging
 import math
 import resource
-import socket
 import ssl
-import struct
 import time
 import urllib.parse
 import zlib
@@ -64,6 +65,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from kvmiss.enricher.listener import (
+    LIMIT_WARNING_INTERVAL_S,
+    BodyRefused,
+    ConnectionBounds,
+    HttpListener,
+    LimitLog,
+    answer_and_close,
+    read_body,
+)
 from kvmiss.enricher.otlp import ConsumeResult, Outcome, TracesConsumer, span_count
 from kvmiss.schemas.config import OtlpConfig
 
@@ -81,9 +91,6 @@ MAX_TRACKED_CLIENTS = 4096  # peers with a per-client rate bucket; the least rec
 GRPC_STREAMS_PER_CONNECTION = 16  # concurrent calls on one gRPC connection (HTTP/2 streams)
 IDLE_CONNECTION_S = 75.0  # a connection with no request for this long is closed
 TLS_HANDSHAKE_TIMEOUT_S = 10.0  # an HTTP connection's TLS handshake holds a slot this long at most
-_ACCEPT_RETRY_S = 1.0  # after the process ran out of file descriptors, like asyncio's servers
-_LIMIT_WARNING_INTERVAL_S = 10.0  # at most one line per limit in this many seconds
-_FD_LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def drop_invalid_spans(request: ExportTraceServiceRequest) -> int:
@@ -316,45 +323,6 @@ def grpc_peer_host(peer: str | None) -> str:
     return client_key(host.strip("[]"))
 
 
-class _CountedConnection(asyncio.Protocol):
-    """An accepted HTTP connection: aiohttp's protocol behind it, and a connection slot that is
-    given back exactly once, when the connection closes (or when it never opened)."""
-
-    __slots__ = ("_inner", "_release", "opened")
-
-    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None]) -> None:
-        self._inner = inner
-        self._release: Callable[[], None] | None = release
-        self.opened = False
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.opened = True
-        self._inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        try:
-            self._inner.connection_lost(exc)
-        finally:
-            self.release()
-
-
 class _ClientLimited(ConsumeResult, frozen=True):
     """RETRYABLE because this client is over its own share (HTTP answers 429, not 503)."""
 
@@ -365,7 +333,8 @@ class Receivers:
     ``config.grpc`` / ``config.http`` are listen addresses (None or "" disables that
     receiver; port 0 picks a free port, see `grpc_port` / `http_port`). With
     ``config.tls_cert`` and ``config.tls_key`` both serve TLS only (HTTP: TLS >= 1.2).
-    ``stats`` counts requests and spans by outcome and reason (read it at scrape time);
+    ``stats`` counts requests and spans by outcome and reason, and the HTTP listener's
+    connections (``http_``-prefixed, see enricher/listener.py; read it at scrape time);
     `gauges` adds the open HTTP connections and the size of the per-client table.
     ``clock`` (monotonic seconds) drives the rate limits; ``max_clients`` bounds the table.
     """
@@ -380,14 +349,11 @@ class Receivers:
         per_client = config.max_spans_per_s_per_client
         self.clients = ClientRates(per_client, max_clients) if per_client > 0 else None
         self._max_connections = config.max_connections
-        self._http_connections = 0  # open (accepted, not yet closed) HTTP connections
-        self._http_sock: socket.socket | None = None
-        self._accepting: asyncio.Task | None = None
-        self._handshakes: set[asyncio.Task] = set()  # HTTP connections being set up (TLS)
-        self._warned_at: dict[str, float] = {}  # limit -> when it was last logged
+        self._body_timeout_s = config.body_timeout_s
+        self._warnings = LimitLog(log)
         self.stats: collections.Counter[str] = collections.Counter()
         self._grpc_server: grpc.aio.Server | None = None
-        self._http_runner: web.AppRunner | None = None
+        self._http: HttpListener | None = None
         self._in_flight = 0  # HTTP requests being handled, for a graceful shutdown
         self._idle = asyncio.Event()
         self._idle.set()
@@ -428,36 +394,30 @@ class Receivers:
     @property
     def http_connections(self) -> int:
         """Open OTLP/HTTP connections (at most ``max_connections`` when that is set)."""
-        return self._http_connections
+        return self._http.connections if self._http is not None else 0
 
     def gauges(self) -> dict[str, int]:
         """Point-in-time values for the metrics endpoint (``stats`` holds the counters)."""
-        return {"http_connections": self._http_connections,
+        return {"http_connections": self.http_connections,
                 "clients_tracked": len(self.clients) if self.clients is not None else 0}
 
     async def _stop(self, grace: float) -> None:
         grace = max(0.0, grace)
-        if self._accepting is not None:  # stop accepting and close the listening socket only
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-        if self._http_sock is not None:
-            self._http_sock.close()
-        for task in list(self._handshakes):  # not yet connections: nothing to drain
-            task.cancel()
-        await asyncio.gather(*self._handshakes, return_exceptions=True)
+        if self._http is not None:  # stop accepting; open connections finish their requests
+            await self._http.stop_accepting()
         waits = [self._stop_http(grace)]
         if self._grpc_server is not None:
             waits.append(self._grpc_server.stop(grace))
         await asyncio.gather(*waits)  # both drain within the same grace period
 
     async def _stop_http(self, grace: float) -> None:
-        if self._http_runner is None:
+        if self._http is None:
             return
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
         except asyncio.TimeoutError:
             log.warning("OTLP/HTTP: %d requests still in flight after %.1f s; cancelling", self._in_flight, grace)
-        await self._http_runner.cleanup()
+        await self._http.shutdown()
 
     # -- shared by both receivers ------------------------------------------------------
 
@@ -502,7 +462,7 @@ class Receivers:
                 self._warn("client", "OTLP client %s is over otlp.max_spans_per_s_per_client (%g spans/s): its "
                            "excess is refused with a retry delay (logged once per client, at most every %g s; "
                            "counted in kvmiss_spans_refused_total{reason=\"client_rate_limit\"})",
-                           peer, client.per_s, _LIMIT_WARNING_INTERVAL_S)
+                           peer, client.per_s, LIMIT_WARNING_INTERVAL_S)
             return _ClientLimited(Outcome.RETRYABLE, message="kvmiss per-client intake rate limit",
                                   retry_after_s=client.wait_s(spans))
         if self._rate is not None and not self._rate.take(spans, now):
@@ -517,11 +477,7 @@ class Receivers:
     def _warn(self, limit: str, message: str, *args: object) -> None:
         """Log ``message`` at WARNING unless this limit was logged in the last few seconds
         (the counters in ``stats`` see every case)."""
-        now = time.monotonic()
-        if now < self._warned_at.get(limit, -math.inf) + _LIMIT_WARNING_INTERVAL_S:
-            return
-        self._warned_at[limit] = now
-        log.warning(message, *args)
+        self._warnings.warn(limit, message, *args)
 
     # -- gRPC ----------------------------------------------------------------------------
 
@@ -559,76 +515,16 @@ class Receivers:
     # -- HTTP ----------------------------------------------------------------------------
 
     async def _start_http(self, address: str) -> None:
-        host, port = parse_listen(address)
         app = web.Application()
         app.router.add_post(TRACES_PATH, self._handle_http)
-        # auto_decompress off: we gunzip ourselves with the size cap (no gzip bombs);
-        # shutdown_timeout short: `_stop` already waited out the grace period.
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False, shutdown_timeout=0.1,
-                               keepalive_timeout=IDLE_CONNECTION_S)
-        await runner.setup()
-        self._http_runner = runner
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            # SO_REUSEADDR (restart over TIME_WAIT), never SO_REUSEPORT (silent port sharing).
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(512)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self._http_sock = sock
-        self.http_port = sock.getsockname()[1]
-        # Our own accept loop, not aiohttp's site: a connection over the cap is closed before
-        # any TLS handshake, and a slot is given back even when a handshake fails.
-        self._accepting = asyncio.get_running_loop().create_task(self._accept_http(sock), name="kvmiss-otlp-http-accept")
-
-    async def _accept_http(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(sock)
-            except OSError as exc:
-                if exc.errno in _FD_LIMIT_ERRNOS:  # the backlog keeps the connection meanwhile
-                    self.stats["http_accept_errors"] += 1
-                    self._warn("accept", "OTLP/HTTP: cannot accept a connection (%s); lower otlp.max_connections "
-                               "or raise the file descriptor limit (ulimit -n)", exc.strerror)
-                    await asyncio.sleep(_ACCEPT_RETRY_S)
-                elif sock.fileno() == -1 or exc.errno in (errno.EBADF, errno.EINVAL):
-                    return  # the listening socket is closed: shutting down
-                continue  # ECONNABORTED and the like: that client is gone already
-            if self._max_connections and self._http_connections >= self._max_connections:
-                self.stats["http_connections_refused"] += 1
-                self._warn("connections", "OTLP/HTTP: %d connections open (otlp.max_connections): closing new "
-                           "ones until some close (counted in kvmiss_otlp_http_connections_refused_total)",
-                           self._http_connections)
-                _abort(conn)
-                continue
-            self._http_connections += 1
-            self.stats["http_connections_accepted"] += 1
-            task = loop.create_task(self._open_http(conn))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
-
-    async def _open_http(self, conn: socket.socket) -> None:
-        assert self._http_runner is not None and self._http_runner.server is not None
-        connection = _CountedConnection(self._http_runner.server(), self._release_http)
-        try:
-            await asyncio.get_running_loop().connect_accepted_socket(
-                lambda: connection, conn, ssl=self._http_tls,
-                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._http_tls is not None else None)
-        except (Exception, asyncio.CancelledError) as exc:  # a failed or cancelled TLS handshake
-            if not connection.opened:  # else its connection_lost gives the slot back
-                connection.release()
-            conn.close()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            self.stats["http_handshakes_failed"] += 1
-
-    def _release_http(self) -> None:
-        self._http_connections -= 1
+        bounds = ConnectionBounds(self._max_connections, idle_s=IDLE_CONNECTION_S,
+                                  tls_handshake_s=TLS_HANDSHAKE_TIMEOUT_S)
+        # auto_decompress off: we gunzip ourselves with the size cap (no gzip bombs).
+        self._http = HttpListener(app, bounds, name="OTLP/HTTP", stats=self.stats, prefix="http_",
+                                  cap_hint="otlp.max_connections; counted in kvmiss_otlp_http_connections_refused_total",
+                                  warnings=self._warnings, ssl_context=self._http_tls, auto_decompress=False)
+        await self._http.start(*parse_listen(address))
+        self.http_port = self._http.port
 
     async def _handle_http(self, http_request: web.Request) -> web.Response:
         self._in_flight += 1
@@ -654,7 +550,10 @@ class Receivers:
             request = self._decode(body, ctype)
         except _Rejected as rejected:
             self.stats[f"requests_{rejected.reason}"] += 1
-            return self._http_error(rejected.status, str(rejected), ctype)
+            response = self._http_error(rejected.status, str(rejected), ctype)
+            if rejected.status == 408:  # the rest of its body may never come: do not wait for it
+                return await answer_and_close(http_request, response)
+            return response
         result = await self._deliver(request, client_key(http_request.remote))
         if result is _INTERNAL:
             return self._http_error(500, result.message, ctype)
@@ -674,16 +573,15 @@ class Receivers:
     async def _read_body(self, http_request: web.Request, *, gzipped: bool) -> bytes:
         # The compressed size may exceed the decompressed one a little (incompressible data).
         limit = self._max_body + self._max_body // 64 + 1024 if gzipped else self._max_body
-        too_large = _Rejected(413, "too_large", f"body larger than {self._max_body} bytes")
-        if http_request.content_length is not None and http_request.content_length > limit:
-            raise too_large  # aiohttp then drains (lingers) so the client reads the answer
-        chunks, size = [], 0
-        async for chunk in http_request.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+        try:
+            raw = await read_body(http_request, limit=limit, timeout_s=self._body_timeout_s)
+        except BodyRefused as refused:
+            if refused.reason == "too_large":  # aiohttp then drains (lingers) so the client reads the answer
+                raise _Rejected(413, "too_large", f"body larger than {self._max_body} bytes") from None
+            self._warn("body_timeout", "OTLP/HTTP: a request body did not arrive within otlp.body_timeout_s "
+                       "(%g s): answered 408 and closed (counted in kvmiss_otlp_requests_refused_total"
+                       "{reason=\"body_timeout\"})", self._body_timeout_s)
+            raise _Rejected(408, "body_timeout", str(refused)) from None
         if not gzipped:
             return raw
         if len(raw) > _THREAD_GUNZIP_BYTES:  # zlib releases the GIL: keep the loop serving
@@ -700,8 +598,8 @@ class Receivers:
 
     @staticmethod
     def _http_error(status: int, message: str, ctype: str, headers: dict | None = None) -> web.Response:
-        code = {400: code_pb2.INVALID_ARGUMENT, 413: code_pb2.INVALID_ARGUMENT, 429: code_pb2.RESOURCE_EXHAUSTED,
-                503: code_pb2.UNAVAILABLE}
+        code = {400: code_pb2.INVALID_ARGUMENT, 408: code_pb2.DEADLINE_EXCEEDED, 413: code_pb2.INVALID_ARGUMENT,
+                429: code_pb2.RESOURCE_EXHAUSTED, 503: code_pb2.UNAVAILABLE}
         if ctype not in (PROTOBUF, JSON):  # cannot answer in a type we do not speak
             return web.Response(status=status, text=message, headers=headers)
         body = _encode(status_pb2.Status(code=code.get(status, code_pb2.INTERNAL), message=message), ctype)
@@ -736,16 +634,6 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             response.partial_success.rejected_spans = result.rejected_spans
             response.partial_success.error_message = result.message
         return response
-
-
-def _abort(conn: socket.socket) -> None:
-    """Close an accepted socket at once with a reset: no TIME_WAIT left behind, and the
-    client sees a connection error, which OTLP clients retry."""
-    try:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    conn.close()
 
 
 def _check_fd_limit(max_connections: int, receivers: int) -> None:

@@ -11,6 +11,7 @@ no lock.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -31,6 +32,7 @@ from kvmiss.enricher.journal import SpanJournal
 from kvmiss.enricher.exporter import ExportQueue, build_exporters
 from kvmiss.enricher.hashing import BlockHasher, HashingError
 from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.listener import BodyRefused, ConnectionBounds, HttpListener, LimitLog, answer_and_close, read_body
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.privacy import DigestKey, load_digest_key
@@ -43,6 +45,13 @@ from kvmiss.schemas.config import Config
 log = logging.getLogger("kvmiss.serve")
 
 TICK_S = 0.02  # how often applied batches are drained and pending requests judged
+# The /metrics, /healthz, /readyz listener serves a scraper and a few probes: a small
+# connection cap, and short waits (Prometheus scrapes every 15-60 s and reconnects when an
+# idle connection was closed). It only serves GETs: a body over METRICS_MAX_BODY_BYTES, or
+# one not in within METRICS_BODY_TIMEOUT_S, is answered 413 / 408 and the connection closed.
+METRICS_BOUNDS = ConnectionBounds(max_connections=16, idle_s=15.0)
+METRICS_MAX_BODY_BYTES = 4096
+METRICS_BODY_TIMEOUT_S = 5.0
 
 
 class FanOut:
@@ -117,8 +126,10 @@ class Service:
             self.pipeline.stats, lambda: self.fleet.streams,
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
             exports=lambda: self.queues, clock_bounds=self.clock_bounds,
-            intake=lambda: {**self.receivers.stats, **self.receivers.gauges()}))
-        self._metrics_runner: web.AppRunner | None = None
+            intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
+            endpoint=self._endpoint_counts))
+        self.endpoint_stats: collections.Counter[str] = collections.Counter()  # the metrics listener's
+        self._metrics_listener: HttpListener | None = None
         self.metrics_port: int | None = None
         self._ticker: asyncio.Task | None = None
         self._stopping = False
@@ -203,8 +214,8 @@ class Service:
         self.subscriber.shutdown(timeout)
         if self.journal is not None:
             self.journal.close()
-        if self._metrics_runner is not None:
-            await self._metrics_runner.cleanup()
+        if self._metrics_listener is not None:
+            await self._metrics_listener.shutdown()
 
     async def _tick_forever(self) -> None:
         while True:
@@ -237,16 +248,31 @@ class Service:
         return all(s in ("live", "quarantined") for s in states.values()), states
 
     async def _start_metrics(self, address: str) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._refuse_bodies])
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
-        self._metrics_runner = web.AppRunner(app, access_log=None)
-        await self._metrics_runner.setup()
-        host, port = parse_listen(address)
-        site = web.TCPSite(self._metrics_runner, host, port)
-        await site.start()
-        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._metrics_listener = HttpListener(
+            app, METRICS_BOUNDS, name="metrics endpoint", stats=self.endpoint_stats,
+            cap_hint="counted in kvmiss_metrics_http_connections_refused_total", warnings=LimitLog(log))
+        await self._metrics_listener.start(*parse_listen(address))
+        self.metrics_port = self._metrics_listener.port
+
+    def _endpoint_counts(self) -> dict[str, int]:
+        listener = self._metrics_listener
+        return {**self.endpoint_stats, "connections": listener.connections if listener is not None else 0}
+
+    @web.middleware
+    async def _refuse_bodies(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every route is a GET: a body is read (and dropped) only when small and prompt."""
+        if request.body_exists:
+            try:
+                await read_body(request, limit=METRICS_MAX_BODY_BYTES, timeout_s=METRICS_BODY_TIMEOUT_S)
+            except BodyRefused as refused:
+                self.endpoint_stats[f"requests_{refused.reason}"] += 1
+                status = 413 if refused.reason == "too_large" else 408
+                return await answer_and_close(request, web.Response(status=status, text=str(refused)))
+        return await handler(request)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if "application/openmetrics-text" in request.headers.get("Accept", ""):

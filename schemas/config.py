@@ -85,6 +85,9 @@ class OtlpConfig(_Section):
     # take the others' share. Beyond it: UNAVAILABLE / 429 with a retry delay.
     max_spans_per_s_per_client: float = 0.0
     max_connections: int = 256  # open connections per receiver (0: no cap); more are closed
+    # OTLP/HTTP: seconds a request's body may take to arrive once its headers are in (a client
+    # trickling it would hold a connection forever); beyond it: 408 and the connection closed.
+    body_timeout_s: float = 30.0
     tls_cert: str | None = None  # PEM certificate chain: with tls_key, both receivers use TLS
     tls_key: str | None = None  # PEM private key
 
@@ -205,6 +208,9 @@ def _check(config: Config, source: str) -> None:
                         ("export.timeout_s", config.export.timeout_s)):
         if not value > 0:
             raise ConfigError(f"{source}: {name} must be positive, got {value}")
+    if not (math.isfinite(config.otlp.body_timeout_s) and config.otlp.body_timeout_s > 0):
+        raise ConfigError(f"{source}: otlp.body_timeout_s must be a finite number of seconds > 0, "
+                          f"got {config.otlp.body_timeout_s}")
     for name, value in (("otlp.max_spans_per_s", config.otlp.max_spans_per_s),
                         ("otlp.max_spans_per_s_per_client", config.otlp.max_spans_per_s_per_client)):
         if not (math.isfinite(value) and value >= 0):

@@ -533,6 +533,117 @@ def test_the_config_keys_reach_the_receivers():
     from kvmiss.schemas.config import parse_config
 
     config = parse_config("[otlp]\ngrpc = ''\nhttp = ''\nmax_connections = 7\nmax_spans_per_s_per_client = 5\n"
-                          "[metrics]\nlisten = ''\n")
+                          "body_timeout_s = 2.5\n[metrics]\nlisten = ''\n")
     receivers = Service(config).receivers
     assert receivers._max_connections == 7 and receivers.clients.per_s == 5
+    assert receivers._body_timeout_s == 2.5
+
+
+# --- slow clients -----------------------------------------------------------------------------
+
+
+async def trickle(writer: asyncio.StreamWriter, data: bytes, every_s: float = 0.05) -> int:
+    """Send ``data`` a byte at a time until it is all out or the server hangs up; returns how
+    many bytes went out."""
+    sent = 0
+    with contextlib.suppress(ConnectionError, OSError):
+        for i in range(len(data)):
+            writer.write(data[i:i + 1])
+            await writer.drain()
+            sent += 1
+            await asyncio.sleep(every_s)
+    return sent
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout: float = 15.0) -> bytes | None:
+    """What the server sent before closing the connection (None: still open after ``timeout``)."""
+    received = b""
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await reader.read(65536):
+                received += chunk
+    except TimeoutError:
+        return None
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    return received
+
+
+class TestSlowClients:
+    def test_a_trickled_body_is_answered_408_and_its_slot_serves_the_next_client(self):
+        """One connection allowed: a client that sends its headers and then a byte now and
+        then would hold it for ever; past body_timeout_s it gets 408 and is closed, and the
+        SDK exporter waiting behind it gets its spans through."""
+        consumer = RecordingConsumer()
+        body = batch("slow", 40).SerializeToString()
+
+        async def scenario():
+            async with serving(consumer, grpc=None, max_connections=1, body_timeout_s=0.5) as receivers:
+                reader, writer = await asyncio.open_connection("127.0.0.1", receivers.http_port)
+                writer.write(raw_post(body)[:-len(body)])  # the headers announce the whole body
+                sending = asyncio.ensure_future(trickle(writer, body))
+                answer = await read_until_closed(reader)
+                sent = await sending
+                writer.close()
+                freed = await until(lambda: receivers.http_connections == 0)
+                after = await asyncio.to_thread(export_quietly, receivers.http_port, 1, 5)
+                return answer, sent, freed, after, receivers.stats.copy()
+
+        answer, sent, freed, after, stats = asyncio.run(scenario())
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408 ")
+        head, _, status_body = answer.partition(b"\r\n\r\n")
+        assert b"Connection: close" in head and f"Content-Type: {PROTOBUF}".encode() in head
+        status = status_pb2.Status.FromString(status_body)
+        assert status.code == code_pb2.DEADLINE_EXCEEDED and "0.5 s" in status.message
+        assert sent < len(body)  # cut off while still sending
+        assert freed and after == [SpanExportResult.SUCCESS]
+        assert names_by_client(consumer) == {"router": [f"llm_request {i}" for i in range(5)]}  # no "slow"
+        assert stats["requests_body_timeout"] == 1 and stats["requests"] == 1
+        registry = CollectorRegistry()
+        registry.register(KvmissCollector(PipelineStats(), dict, intake=lambda: stats))
+        text = generate_latest(registry).decode()
+        assert 'kvmiss_otlp_requests_refused_total{reason="body_timeout"} 1.0' in text
+        assert 'kvmiss_otlp_requests_refused_total{reason="too_large"} 0.0' in text
+        assert "127.0.0" not in text  # counted, never named
+
+    def test_a_body_sent_in_pieces_within_body_timeout_s_is_accepted(self):
+        consumer = RecordingConsumer()
+        body = batch("pieces", 30).SerializeToString()
+
+        async def scenario():
+            async with serving(consumer, grpc=None, body_timeout_s=30) as receivers:
+                reader, writer = await asyncio.open_connection("127.0.0.1", receivers.http_port)
+                request = raw_post(body)
+                for i in range(0, len(request), len(request) // 4 + 1):
+                    writer.write(request[i:i + len(request) // 4 + 1])
+                    await writer.drain()
+                    await asyncio.sleep(0.1)
+                status_line = await asyncio.wait_for(reader.readline(), 15)
+                writer.close()
+                return status_line, receivers.stats.copy()
+
+        status_line, stats = asyncio.run(scenario())
+        assert status_line.startswith(b"HTTP/1.1 200")
+        assert names_by_client(consumer) == {"pieces": [f"pieces-{i}" for i in range(30)]}
+        assert stats["requests_body_timeout"] == 0
+
+    def test_headers_trickled_for_ever_are_cut_off_by_the_idle_timeout(self, monkeypatch):
+        """aiohttp's keep-alive timer runs from the connection's start (or its last answer) and
+        bytes received do not push it back: it bounds the headers too."""
+        monkeypatch.setattr(receiver_module, "IDLE_CONNECTION_S", 1.0)
+        consumer = RecordingConsumer()
+
+        async def scenario():
+            async with serving(consumer, grpc=None, max_connections=1) as receivers:
+                reader, writer = await asyncio.open_connection("127.0.0.1", receivers.http_port)
+                endless = f"POST /v1/traces HTTP/1.1\r\nContent-Type: {PROTOBUF}\r\nX-Slow: ".encode() + b"a" * 4000
+                sending = asyncio.ensure_future(trickle(writer, endless))
+                answer = await read_until_closed(reader)
+                sent = await sending
+                writer.close()
+                freed = await until(lambda: receivers.http_connections == 0)
+                return answer, sent, freed, receivers.stats.copy()
+
+        answer, sent, freed, stats = asyncio.run(scenario())
+        assert answer == b"" and sent < 4000 and freed
+        assert stats["requests"] == 0 and not consumer.requests

@@ -5,6 +5,7 @@ sink behind it. Checks the labels that arrive, the metrics and readiness."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import urllib.request
@@ -19,6 +20,8 @@ from otlp_sink import OtlpSink, attributes
 from sglang_publisher import batch
 
 
+from kvmiss.enricher import service as service_module
+from kvmiss.enricher.listener import ConnectionBounds
 from kvmiss.enricher.service import Service
 from kvmiss.schemas.config import parse_config
 
@@ -169,3 +172,145 @@ def test_a_bad_worker_endpoint_fails_start_up_with_a_clear_error(sink):
     with pytest.raises(Exception) as info:
         RunningService(config)
     assert "127.0.0.1" in str(info.value) or "Invalid argument" in str(info.value)
+
+
+# --- the /metrics, /healthz, /readyz listener: bounded like the OTLP receiver ------------------
+
+ENDPOINT_ONLY = """
+[otlp]
+grpc = ""
+http = ""
+[privacy]
+digest_key = "service-test-secret-0001"
+[metrics]
+listen = "127.0.0.1:0"
+"""
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout: float = 15.0) -> bytes | None:
+    """What the server sent before closing (None: still open after ``timeout``)."""
+    received = b""
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await reader.read(65536):
+                received += chunk
+    except TimeoutError:
+        return None
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    return received
+
+
+async def until(condition, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: kvmiss\r\nConnection: close\r\n\r\n".encode())
+    answer = await read_until_closed(reader)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+@contextlib.asynccontextmanager
+async def metrics_endpoint():
+    service = Service(parse_config(ENDPOINT_ONLY))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.shutdown(timeout=2)
+
+
+class TestMetricsEndpointBounds:
+    def test_connections_past_its_small_cap_are_closed_and_counted(self, monkeypatch):
+        monkeypatch.setattr(service_module, "METRICS_BOUNDS", ConnectionBounds(max_connections=2, idle_s=60.0))
+
+        async def scenario():
+            async with metrics_endpoint() as service:
+                port = service.metrics_port
+                held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+                assert await until(lambda: service._metrics_listener.connections == 2)
+                extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
+                extra = await read_until_closed(extra_reader)
+                extra_writer.close()
+                for _, writer in held:
+                    writer.close()
+                assert await until(lambda: service._metrics_listener.connections == 0)
+                return extra, await scrape(port)
+
+        extra, (status, text) = asyncio.run(scenario())
+        assert extra == b"" and status == 200
+        assert "kvmiss_metrics_http_connections_refused_total 1.0" in text
+        assert "kvmiss_metrics_http_connections 1.0" in text  # the scrape itself
+
+    @pytest.mark.parametrize("method, path", [("GET", "/healthz"), ("POST", "/metrics"), ("GET", "/nowhere")])
+    def test_a_body_over_4_kib_is_refused_413_and_the_connection_closed(self, method, path):
+        async def scenario():
+            async with metrics_endpoint() as service:
+                reader, writer = await asyncio.open_connection("127.0.0.1", service.metrics_port)
+                writer.write(f"{method} {path} HTTP/1.1\r\nHost: kvmiss\r\nContent-Length: 100000\r\n\r\n".encode()
+                             + b"x" * 1000)  # the rest never comes: no need to wait for it
+                answer = await read_until_closed(reader)
+                writer.close()
+                return answer, await scrape(service.metrics_port)
+
+        answer, (_, text) = asyncio.run(scenario())
+        assert answer is not None and answer.startswith(b"HTTP/1.1 413")
+        assert 'kvmiss_metrics_http_requests_refused_total{reason="too_large"} 1.0' in text
+
+    def test_a_small_body_on_a_get_is_read_and_ignored(self):
+        async def scenario():
+            async with metrics_endpoint() as service:
+                reader, writer = await asyncio.open_connection("127.0.0.1", service.metrics_port)
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: kvmiss\r\nContent-Length: 100\r\n"
+                             b"Connection: close\r\n\r\n" + b"x" * 100)
+                answer = await read_until_closed(reader)
+                writer.close()
+                return answer
+
+        answer = asyncio.run(scenario())
+        assert answer is not None and answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status": "ok"}')
+
+    def test_a_trickled_body_is_answered_408_and_a_trickled_header_cut_off(self, monkeypatch):
+        monkeypatch.setattr(service_module, "METRICS_BOUNDS", ConnectionBounds(max_connections=1, idle_s=1.0))
+        monkeypatch.setattr(service_module, "METRICS_BODY_TIMEOUT_S", 0.5)
+
+        async def trickle(writer, data: bytes) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                for i in range(len(data)):
+                    writer.write(data[i:i + 1])
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+
+        async def slow(port: int, head: bytes, rest: bytes) -> bytes | None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            sending = asyncio.ensure_future(trickle(writer, rest))
+            answer = await read_until_closed(reader)
+            sending.cancel()
+            writer.close()
+            return answer
+
+        async def scenario():
+            async with metrics_endpoint() as service:
+                port, listener = service.metrics_port, service._metrics_listener
+                body = await slow(port, b"GET /healthz HTTP/1.1\r\nHost: kvmiss\r\nContent-Length: 2000\r\n\r\n",
+                                  b"x" * 2000)
+                assert await until(lambda: listener.connections == 0)  # the only slot is free again
+                header = await slow(port, b"GET /healthz HTTP/1.1\r\n", b"X-Slow: " + b"a" * 4000)
+                assert await until(lambda: listener.connections == 0)
+                return body, header, await scrape(port)
+
+        body, header, (status, text) = asyncio.run(scenario())
+        assert body is not None and body.startswith(b"HTTP/1.1 408")
+        assert header == b""  # no request ever arrived: closed without an answer
+        assert status == 200
+        assert 'kvmiss_metrics_http_requests_refused_total{reason="body_timeout"} 1.0' in text

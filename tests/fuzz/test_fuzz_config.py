@@ -106,7 +106,8 @@ def valid_documents(draw) -> dict:
     return {
         "otlp": {"grpc": draw(addresses), "http": draw(addresses),
                  "max_body_bytes": draw(st.integers(1, 2**40)), "max_pending_spans": draw(st.integers(1, 10**9)),
-                 "max_spans_per_s_per_client": draw(st.floats(0, 1e9)), "max_connections": draw(st.integers(0, 10**6))},
+                 "max_spans_per_s_per_client": draw(st.floats(0, 1e9)), "max_connections": draw(st.integers(0, 10**6)),
+                 "body_timeout_s": draw(st.floats(0.001, 1e6))},
         "export": {"keep_block_hashes": draw(st.booleans()), "timeout_s": draw(st.floats(0.001, 1e6)),
                    **({"endpoint": "http://127.0.0.1:4319"} if draw(st.booleans()) else {})},
         "engine": {"hash_algo": draw(st.sampled_from(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])),

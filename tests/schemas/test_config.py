@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvmiss.schemas.config import ConfigError, OtlpConfig, WorkerSpec, load_config, offset_endpoint, parse_config
+from kvmiss.schemas.config import Config, ConfigError, WorkerSpec, load_config, offset_endpoint, parse_config
 from shared_data import load_json
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvmiss.toml"
@@ -64,14 +65,78 @@ def test_intake_limit_defaults():
     assert parse_config("[otlp]\nmax_connections = 0\nmax_spans_per_s_per_client = 12.5\n").otlp.max_connections == 0
 
 
-def test_every_otlp_key_is_in_the_example_with_a_comment():
-    """[otlp] holds the listeners and every intake limit: each key is in the example (set, or
-    commented out), with a comment on its line saying what it does."""
-    section = EXAMPLE.read_text().split("[otlp]\n", 1)[1].split("\n[", 1)[0]
-    for field in msgspec.structs.fields(OtlpConfig):
-        line = next((l for l in section.splitlines() if re.match(rf"#?\s*{field.name}\s*=", l)), None)
-        assert line is not None, f"otlp.{field.name} is missing from examples/kvmiss.toml"
-        assert "#" in line.lstrip("# ").split("=", 1)[1], f"otlp.{field.name} has no comment in the example"
+def config_sections() -> dict[str, type[msgspec.Struct]]:
+    """Every section of the config file and the Struct holding its keys, from the schema: a
+    Struct field is a ``[table]``, a list of Structs an ``[[array of tables]]``."""
+    sections = {}
+    for field in msgspec.structs.fields(Config):
+        kind = typing.get_args(field.type)[0] if typing.get_origin(field.type) is list else field.type
+        assert isinstance(kind, type) and issubclass(kind, msgspec.Struct), field
+        sections[field.name] = kind
+    return sections
+
+
+def example_lines() -> dict[str, list[str]]:
+    """The example's lines by section (a ``[name]`` or ``[[name]]`` header starts one)."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in EXAMPLE.read_text().splitlines():
+        header = re.fullmatch(r"\[\[?(\w+)\]\]?\s*(#.*)?", line)
+        if header:
+            current = sections.setdefault(header[1], [])
+        else:
+            current.append(line)
+    return sections
+
+
+def key_line(lines: list[str], key: str) -> str | None:
+    """The line setting ``key`` (or showing it commented out)."""
+    return next((line for line in lines if re.match(rf"#?\s*{key}\s*=", line)), None)
+
+
+SCHEMA_KEYS = [(section, field.name) for section, kind in config_sections().items()
+               for field in msgspec.structs.fields(kind)]
+
+
+@pytest.mark.parametrize("section, key", SCHEMA_KEYS, ids=[f"{s}.{k}" for s, k in SCHEMA_KEYS])
+def test_every_config_key_is_in_the_example_with_a_comment(section, key):
+    """Every key of every section, taken from the schema itself (a new key without docs fails
+    here): in examples/kvmiss.toml, set or commented out, with a comment on its line saying
+    what it does."""
+    lines = example_lines()
+    assert section in lines, f"section [{section}] is missing from examples/kvmiss.toml"
+    line = key_line(lines[section], key)
+    assert line is not None, f"{section}.{key} is missing from examples/kvmiss.toml"
+    assert "#" in line.lstrip("# ").split("=", 1)[1], f"{section}.{key} has no comment in the example"
+
+
+def test_the_example_documents_no_key_the_schema_lacks():
+    """The other way round: a key shown in the example (even commented out, where a typo would
+    otherwise go unnoticed) is a key of its section."""
+    sections = config_sections()
+    shown = {(section, match[1]) for section, lines in example_lines().items() for line in lines
+             if (match := re.match(r"#?\s*(\w+)\s*=", line))}
+    assert shown - set(SCHEMA_KEYS) == set()
+    assert set(example_lines()) == set(sections)
+
+
+def test_the_readme_lists_every_config_section():
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    table = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `\[\[?(\w+)\]\]?` \|", table, re.M))
+    assert listed == set(config_sections())
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "'30'"])
+def test_body_timeout_must_be_a_positive_finite_number_of_seconds(value):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"[otlp]\nbody_timeout_s = {value}\n", source="k.toml")
+    assert str(info.value).startswith("k.toml: ") and "otlp.body_timeout_s" in str(info.value)
+
+
+def test_body_timeout_default_and_integers():
+    assert parse_config("").otlp.body_timeout_s == 30.0
+    assert parse_config("[otlp]\nbody_timeout_s = 5\n").otlp.body_timeout_s == 5.0
 
 
 def test_a_secret_never_shows_in_errors_or_reprs():
