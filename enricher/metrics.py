@@ -219,7 +219,7 @@ class KvmissCollector(Collector):
         requests = CounterMetricFamily(
             "kvmiss_otlp_requests_refused", "OTLP requests answered with an error before any span was read, by "
             "reason: unsupported_media_type / unsupported_encoding (415), too_large (413), malformed (400 / "
-            "INVALID_ARGUMENT), body_timeout (408: the body took longer than [otlp] body_timeout_s).", labels=["reason"])
+            "INVALID_ARGUMENT), body_timeout (503 + Retry-After: the body took longer than [otlp] body_timeout_s).", labels=["reason"])
         for reason in OTLP_REQUEST_REFUSALS:
             requests.add_metric([reason], intake.get(f"requests_{reason}", 0))
         stalled = CounterMetricFamily("kvmiss_otlp_http_answers_stalled",

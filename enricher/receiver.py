@@ -16,9 +16,10 @@ PERMANENT   INVALID_ARGUMENT                             400
 ==========  ===========================================  ======================================
 
 HTTP also answers 415 (content type or encoding not supported), 413 (body larger than
-``OtlpConfig.max_body_bytes`` after gunzip; not retryable), 400 (malformed body) and 408 (the
-body did not arrive within ``OtlpConfig.body_timeout_s`` of the headers; the connection is
-closed after it). Error bodies are a ``google.rpc.Status`` in the request's content type, as
+``OtlpConfig.max_body_bytes`` after gunzip; not retryable), 400 (malformed body) and 503 with
+Retry-After when the body did not arrive within ``OtlpConfig.body_timeout_s`` of the headers
+(the connection is closed after it). Not 408: OTLP clients do not retry 408, and a body cut
+off in transit is a transient failure whose spans a real client should send again. Error bodies are a ``google.rpc.Status`` in the request's content type, as
 OTLP/HTTP asks.
 
 Intake limits, before the consumer sees a span: ``max_spans_per_s_per_client`` (a token
@@ -229,9 +230,9 @@ def load_server_tls(cert_path: str, key_path: str) -> tuple[ssl.SSLContext, grpc
 class _Rejected(Exception):
     """An HTTP request that is answered with an error status (never leaves this module)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None) -> None:
         super().__init__(message)
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.headers = status, reason, headers
 
 
 class SpanRate:
@@ -550,8 +551,8 @@ class Receivers:
             request = self._decode(body, ctype)
         except _Rejected as rejected:
             self.stats[f"requests_{rejected.reason}"] += 1
-            response = self._http_error(rejected.status, str(rejected), ctype)
-            if rejected.status == 408:  # the rest of its body may never come: do not wait for it
+            response = self._http_error(rejected.status, str(rejected), ctype, rejected.headers)
+            if rejected.reason == "body_timeout":  # the rest may never come: do not wait for it
                 return await answer_and_close(http_request, response)
             return response
         result = await self._deliver(request, client_key(http_request.remote))
@@ -579,9 +580,9 @@ class Receivers:
             if refused.reason == "too_large":  # aiohttp then drains (lingers) so the client reads the answer
                 raise _Rejected(413, "too_large", f"body larger than {self._max_body} bytes") from None
             self._warn("body_timeout", "OTLP/HTTP: a request body did not arrive within otlp.body_timeout_s "
-                       "(%g s): answered 408 and closed (counted in kvmiss_otlp_requests_refused_total"
+                       "(%g s): answered 503 (retry) and closed (counted in kvmiss_otlp_requests_refused_total"
                        "{reason=\"body_timeout\"})", self._body_timeout_s)
-            raise _Rejected(408, "body_timeout", str(refused)) from None
+            raise _Rejected(503, "body_timeout", str(refused), {"Retry-After": str(max(1, math.ceil(DEFAULT_RETRY_AFTER_S)))}) from None
         if not gzipped:
             return raw
         if len(raw) > _THREAD_GUNZIP_BYTES:  # zlib releases the GIL: keep the loop serving
@@ -598,7 +599,7 @@ class Receivers:
 
     @staticmethod
     def _http_error(status: int, message: str, ctype: str, headers: dict | None = None) -> web.Response:
-        code = {400: code_pb2.INVALID_ARGUMENT, 408: code_pb2.DEADLINE_EXCEEDED, 413: code_pb2.INVALID_ARGUMENT,
+        code = {400: code_pb2.INVALID_ARGUMENT, 413: code_pb2.INVALID_ARGUMENT,
                 429: code_pb2.RESOURCE_EXHAUSTED, 503: code_pb2.UNAVAILABLE}
         if ctype not in (PROTOBUF, JSON):  # cannot answer in a type we do not speak
             return web.Response(status=status, text=message, headers=headers)

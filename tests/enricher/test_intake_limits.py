@@ -570,9 +570,10 @@ async def read_until_closed(reader: asyncio.StreamReader, timeout: float = 15.0)
 
 
 class TestSlowClients:
-    def test_a_trickled_body_is_answered_408_and_its_slot_serves_the_next_client(self):
+    def test_a_trickled_body_is_answered_retryable_and_its_slot_serves_the_next_client(self):
         """One connection allowed: a client that sends its headers and then a byte now and
-        then would hold it for ever; past body_timeout_s it gets 408 and is closed, and the
+        then would hold it for ever; past body_timeout_s it gets 503 + Retry-After (OTLP clients
+        retry that, not 408: its spans are sent again, not lost) and is closed, and the
         SDK exporter waiting behind it gets its spans through."""
         consumer = RecordingConsumer()
         body = batch("slow", 40).SerializeToString()
@@ -590,11 +591,12 @@ class TestSlowClients:
                 return answer, sent, freed, after, receivers.stats.copy()
 
         answer, sent, freed, after, stats = asyncio.run(scenario())
-        assert answer is not None and answer.startswith(b"HTTP/1.1 408 ")
+        assert answer is not None and answer.startswith(b"HTTP/1.1 503 ")
         head, _, status_body = answer.partition(b"\r\n\r\n")
         assert b"Connection: close" in head and f"Content-Type: {PROTOBUF}".encode() in head
+        assert b"Retry-After: 1" in head
         status = status_pb2.Status.FromString(status_body)
-        assert status.code == code_pb2.DEADLINE_EXCEEDED and "0.5 s" in status.message
+        assert status.code == code_pb2.UNAVAILABLE and "0.5 s" in status.message
         assert sent < len(body)  # cut off while still sending
         assert freed and after == [SpanExportResult.SUCCESS]
         assert names_by_client(consumer) == {"router": [f"llm_request {i}" for i in range(5)]}  # no "slow"
