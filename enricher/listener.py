@@ -9,7 +9,10 @@ the client ...                 bound
 =============================  ============================================================
 opens one more connection      ``max_connections`` open at once (0: no cap); one more is
                                reset as soon as it is accepted, before any TLS handshake
-                               (counted ``connections_refused``)
+                               (counted ``connections_refused``); and, from one peer
+                               address, ``max_connections_per_client`` (0: no cap;
+                               ``connections_refused_per_client``), so one client cannot
+                               take every slot
 stalls its TLS handshake       ``tls_handshake_s``, then closed (``handshakes_failed``)
 sends no request, or trickles  ``idle_s`` after the connection opened or after its last
 its request line and headers   answer: aiohttp's keep-alive timer, which bytes received do
@@ -56,6 +59,7 @@ class ConnectionBounds:
 
     max_connections: int  # open at once (0: no cap)
     idle_s: float  # waiting for a request, its headers included
+    max_connections_per_client: int = 0  # open at once from one peer address (0: no cap)
     answer_stall_s: float = ANSWER_STALL_S
     tls_handshake_s: float = TLS_HANDSHAKE_TIMEOUT_S
 
@@ -211,6 +215,9 @@ class HttpListener:
         self._accepting: asyncio.Task | None = None
         self._handshakes: set[asyncio.Task] = set()  # connections being set up (TLS)
         self._connections = 0  # accepted and not yet closed
+        # peer address -> its open connections; only addresses with some (so at most
+        # max_connections entries), and only kept when the per-client cap is set
+        self._per_client: collections.Counter[str] = collections.Counter()
 
     @property
     def connections(self) -> int:
@@ -268,10 +275,10 @@ class HttpListener:
 
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        cap = self.bounds.max_connections
+        cap, per_client = self.bounds.max_connections, self.bounds.max_connections_per_client
         while True:
             try:
-                conn, _ = await loop.sock_accept(sock)
+                conn, peer = await loop.sock_accept(sock)
             except OSError as exc:
                 if exc.errno in _FD_LIMIT_ERRNOS:  # the backlog keeps the connection meanwhile
                     self._count("accept_errors")
@@ -288,15 +295,25 @@ class HttpListener:
                                     "until some close", self.name, self._connections, self._cap_hint or "the cap")
                 abort(conn)
                 continue
+            client = peer[0] if per_client else None
+            if client is not None and self._per_client[client] >= per_client:
+                self._count("connections_refused_per_client")
+                self._warnings.warn(f"{self.name}:client_connections", "%s: a client holds %d connections "
+                                    "(the per-client cap): closing its new ones until some close",
+                                    self.name, per_client)
+                abort(conn)
+                continue
             self._connections += 1
+            if client is not None:
+                self._per_client[client] += 1
             self._count("connections_accepted")
-            task = loop.create_task(self._open(conn))
+            task = loop.create_task(self._open(conn, client))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
 
-    async def _open(self, conn: socket.socket) -> None:
+    async def _open(self, conn: socket.socket, client: str | None) -> None:
         assert self._runner is not None and self._runner.server is not None
-        connection = _GuardedConnection(self._runner.server(), self._release, self.bounds.answer_stall_s,
+        connection = _GuardedConnection(self._runner.server(), lambda: self._release(client), self.bounds.answer_stall_s,
                                         lambda: self._count("answers_stalled"))
         try:
             await asyncio.get_running_loop().connect_accepted_socket(
@@ -310,8 +327,12 @@ class HttpListener:
                 raise
             self._count("handshakes_failed")
 
-    def _release(self) -> None:
+    def _release(self, client: str | None) -> None:
         self._connections -= 1
+        if client is not None:
+            self._per_client[client] -= 1
+            if self._per_client[client] <= 0:
+                del self._per_client[client]
 
 
 def abort(conn: socket.socket) -> None:

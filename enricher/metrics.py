@@ -209,8 +209,11 @@ class KvmissCollector(Collector):
         """OTLP intake limits that are not about spans. No peer address is ever a label:
         clients are counted, not named (the receiver logs a limited client once)."""
         refused = CounterMetricFamily("kvmiss_otlp_http_connections_refused",
-                                      "OTLP/HTTP connections closed on arrival: [otlp] max_connections were open.")
-        refused.add_metric([], intake.get("http_connections_refused", 0))
+                                      "OTLP/HTTP connections closed on arrival, by the cap that was reached: "
+                                      "max_connections (all clients) or max_connections_per_client (one peer).",
+                                      labels=["cap"])
+        refused.add_metric(["max_connections"], intake.get("http_connections_refused", 0))
+        refused.add_metric(["max_connections_per_client"], intake.get("http_connections_refused_per_client", 0))
         open_ = GaugeMetricFamily("kvmiss_otlp_http_connections", "Open OTLP/HTTP connections.")
         open_.add_metric([], intake.get("http_connections", 0))
         clients = GaugeMetricFamily("kvmiss_otlp_clients_tracked",

@@ -26,7 +26,8 @@ Intake limits, before the consumer sees a span: ``max_spans_per_s_per_client`` (
 bucket per peer IP address, shared by both receivers, in a table of at most
 `MAX_TRACKED_CLIENTS` peers) and then ``max_spans_per_s`` (one bucket for everyone). Each
 receiver holds at most ``max_connections`` open connections: HTTP closes any further one as
-soon as it is accepted (before a TLS handshake; counted), gRPC leaves it to grpc core
+soon as it is accepted (before a TLS handshake; counted), and any beyond
+``max_connections_per_client`` from one peer address, gRPC leaves it to grpc core
 (``grpc.max_allowed_incoming_connections``, per listening address: the client sees
 UNAVAILABLE, which it retries). Every gRPC connection carries at most
 `GRPC_STREAMS_PER_CONNECTION` calls at a time (more wait in the client), and connections
@@ -519,6 +520,7 @@ class Receivers:
         app = web.Application()
         app.router.add_post(TRACES_PATH, self._handle_http)
         bounds = ConnectionBounds(self._max_connections, idle_s=IDLE_CONNECTION_S,
+                                  max_connections_per_client=self._config.max_connections_per_client,
                                   tls_handshake_s=TLS_HANDSHAKE_TIMEOUT_S)
         # auto_decompress off: we gunzip ourselves with the size cap (no gzip bombs).
         self._http = HttpListener(app, bounds, name="OTLP/HTTP", stats=self.stats, prefix="http_",

@@ -85,8 +85,11 @@ class OtlpConfig(_Section):
     # take the others' share. Beyond it: UNAVAILABLE / 429 with a retry delay.
     max_spans_per_s_per_client: float = 0.0
     max_connections: int = 256  # open connections per receiver (0: no cap); more are closed
+    # OTLP/HTTP: open connections from one peer address (0: no cap), so one client cannot hold
+    # every slot (a Collector uses a handful; its sending queue's consumers, 10 by default)
+    max_connections_per_client: int = 64
     # OTLP/HTTP: seconds a request's body may take to arrive once its headers are in (a client
-    # trickling it would hold a connection forever); beyond it: 408 and the connection closed.
+    # trickling it would hold a connection forever); beyond it: 503 + Retry-After, then closed.
     body_timeout_s: float = 30.0
     tls_cert: str | None = None  # PEM certificate chain: with tls_key, both receivers use TLS
     tls_key: str | None = None  # PEM private key
@@ -215,9 +218,11 @@ def _check(config: Config, source: str) -> None:
                         ("otlp.max_spans_per_s_per_client", config.otlp.max_spans_per_s_per_client)):
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"{source}: {name} must be a finite number >= 0 (0: no limit), got {value}")
-    if not 0 <= config.otlp.max_connections <= MAX_CONNECTIONS_LIMIT:
-        raise ConfigError(f"{source}: otlp.max_connections must be between 0 (no cap) and "
-                          f"{MAX_CONNECTIONS_LIMIT}, got {config.otlp.max_connections}")
+    for key in ("max_connections", "max_connections_per_client"):
+        value = getattr(config.otlp, key)
+        if not 0 <= value <= MAX_CONNECTIONS_LIMIT:
+            raise ConfigError(f"{source}: otlp.{key} must be between 0 (no cap) and "
+                              f"{MAX_CONNECTIONS_LIMIT}, got {value}")
     if bool(config.otlp.tls_cert) != bool(config.otlp.tls_key):
         raise ConfigError(f"{source}: otlp.tls_cert and otlp.tls_key go together")
     if config.engine.block_size <= 0:

@@ -249,6 +249,44 @@ class TestConnectionCap:
         assert stats["connections_refused"] == 1 and stats["connections_accepted"] == 3  # 2 held, then `get`
 
 
+    def test_one_client_cannot_take_every_slot(self):
+        """Per peer address: 127.0.0.1 holds its 2, a third from it is reset while 127.0.0.2
+        (another client on loopback) still gets in; once one of the first two closes, the
+        first client gets a slot again. The address table empties with the connections."""
+
+        async def open_from(source: str, port: int):
+            return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+        async def scenario():
+            bounds = ConnectionBounds(max_connections=10, idle_s=60.0, max_connections_per_client=2)
+            async with listening(bounds) as (listener, stats):
+                held = [await open_from("127.0.0.1", listener.port) for _ in range(2)]
+                assert await until(lambda: listener.connections == 2)
+                extra_reader, extra_writer = await open_from("127.0.0.1", listener.port)
+                extra = await closed_by_server(extra_reader)
+                extra_writer.close()
+                other_reader, other_writer = await open_from("127.0.0.2", listener.port)
+                other_writer.write(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                other = await closed_by_server(other_reader)
+                other_writer.close()
+                held[0][1].close()
+                assert await until(lambda: listener.connections == 1)
+                again_reader, again_writer = await open_from("127.0.0.1", listener.port)
+                again_writer.write(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                again = await closed_by_server(again_reader)
+                again_writer.close()
+                held[1][1].close()
+                emptied = await until(lambda: listener.connections == 0 and not listener._per_client)
+                return extra, other, again, emptied, stats.copy()
+
+        extra, other, again, emptied, stats = asyncio.run(scenario())
+        assert extra == b""  # reset on arrival
+        assert other is not None and other.startswith(b"HTTP/1.1 200")
+        assert again is not None and again.startswith(b"HTTP/1.1 200")
+        assert emptied
+        assert stats["connections_refused_per_client"] == 1 and stats["connections_refused"] == 0
+
+
 def test_shutdown_before_start_and_twice_is_safe():
     async def scenario():
         listener = HttpListener(app(), ConnectionBounds(max_connections=1, idle_s=1.0), name="t",

@@ -49,6 +49,7 @@ def test_a_bad_key_is_named(text, fragment):
     ("max_spans_per_s_per_client = nan", "otlp.max_spans_per_s_per_client must be a finite number >= 0"),
     ("max_spans_per_s = inf", "otlp.max_spans_per_s must be a finite number >= 0"),
     ("max_connections = -1", "otlp.max_connections must be between 0 (no cap) and 1000000, got -1"),
+    ("max_connections_per_client = -3", "otlp.max_connections_per_client must be between 0 (no cap) and 1000000, got -3"),
     ("max_connections = 2000000", "otlp.max_connections must be between 0 (no cap) and 1000000"),
     ("max_connections = 1.5", "otlp.max_connections"),
     ("max_connections = '10'", "otlp.max_connections"),
