@@ -29,7 +29,7 @@ from kvmiss.enricher.assembly import (Assembly, Fragment, JudgedRequests, Missin
                                      join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import (SpanReader, strip_raw_inputs, upsert_attributes,
+from kvmiss.enricher.spans import (Marks, SpanFacts, SpanReader, strip_raw_inputs, upsert_attributes,
                                   verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
@@ -53,7 +53,7 @@ class PendingBatch:
         self.request = request
         self.spans = spans
         self.waiting = 0
-        self.carriers: list[Any] = []  # spans with input attributes: the only ones raw inputs can be on
+        self.carriers: list[Any] = []  # spans with raw inputs (the scan marks them)
 
 
 WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
@@ -119,7 +119,6 @@ class Pipeline:
         self.max_pending_spans = max_pending_spans
         self.keep_block_hashes = keep_block_hashes
         self.drop = self.reader.raw_names(keep_block_hashes=keep_block_hashes)
-        self._raw_outside_inputs = not all(self.reader.is_input(name) for name in self.drop)
         self.on_verdict = on_verdict
         self.clock = clock
         self.judge_on_arrival = judge_on_arrival
@@ -147,13 +146,23 @@ class Pipeline:
         batch = PendingBatch(request, spans)
         now = self.clock()
         touched: dict[bytes, None] = {}  # trace ids this request fed, in arrival order
+        reader = self.reader
+        scan = reader.scanner(self.drop)  # one pass per span: facts + where raw inputs are
+        bad: list[str] = []
         for resource_spans in request.resource_spans:
-            instance = self.reader.instance_of(resource_spans.resource.attributes)
-            worker = self.reader.worker_of(resource_spans.resource.attributes)
+            instance = reader.instance_of(resource_spans.resource.attributes)
+            worker = reader.worker_of(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    if self._take(span, batch, instance, now, worker):
-                        touched[span.trace_id] = None
+                for span in scope_spans.spans[:]:  # a slice: see `SpanReader.scanner`
+                    found = scan(span, bad, worker)
+                    if bad:
+                        for name in bad:
+                            self.stats.bad_attributes[name] += 1
+                        bad.clear()
+                    if found is not None:
+                        trace_id = self._take(span, found, batch, instance, now)
+                        if trace_id is not None:
+                            touched[trace_id] = None
         self.pending_spans += spans
         if batch.waiting == 0:
             self._release(batch)
@@ -170,25 +179,29 @@ class Pipeline:
                 if not assembly.done:
                     self._assess(assembly, now, final=False)
 
-    def _take(self, span: Any, batch: PendingBatch, instance: str | None, now: float,
-              worker: str | None = None) -> bool:
-        """Hold ``span`` as a fragment of its request; False when it carries no facts."""
-        bad: list[str] = []
-        facts = self.reader.read(span, bad, resource_worker=worker)
-        for name in bad:
-            self.stats.bad_attributes[name] += 1
-        if facts is not None or bad:
+    def _take(self, span: Any, found: tuple[SpanFacts | None, dict[str, Any] | None, Marks | None],
+              batch: PendingBatch, instance: str | None, now: float) -> bytes | None:
+        """Hold ``span`` as a fragment of its request (``found``: what the scanner found on
+        it); its trace id, or None when it carries no facts. A span with raw inputs is kept
+        with their marks, to be stripped on release."""
+        facts, _, marks = found
+        if marks is not None and marks.raw:
             batch.carriers.append(span)
         if facts is None:
-            return False
-        trace = self._traces.setdefault(span.trace_id, {})
-        assembly = trace.get(facts.request_id)
+            return None
+        fragment = Fragment(facts, span, batch, instance)
+        trace_id = span.trace_id
+        trace = self._traces.get(trace_id)
+        if trace is None:
+            trace = self._traces[trace_id] = {}
+        request_id = facts.request_id
+        assembly = trace.get(request_id)
         if assembly is None or assembly.done:
-            assembly = trace[facts.request_id] = Assembly(span.trace_id, facts.request_id, now)
+            assembly = trace[request_id] = Assembly(trace_id, request_id, now)
             self._open.append(assembly)
-        assembly.fragments.append(Fragment(facts, span, batch, instance))
+        assembly.fragments.append(fragment)
         batch.waiting += 1
-        return True
+        return trace_id
 
     # --- judging -----------------------------------------------------------------------------
 
@@ -337,12 +350,7 @@ class Pipeline:
                 self._release(fragment.batch)
 
     def _release(self, batch: PendingBatch) -> None:
-        if self._raw_outside_inputs:  # a raw input name is not read: look at every span
-            spans: Iterable[Any] = (span for resource_spans in batch.request.resource_spans
-                                    for scope_spans in resource_spans.scope_spans for span in scope_spans.spans)
-        else:  # every raw input name is an input: only spans with input attributes can carry one
-            spans = batch.carriers
-        for span in spans:
+        for span in batch.carriers:  # every span with a raw input (the scan marked them)
             strip_raw_inputs(span, self.drop)
         self.pending_spans -= batch.spans
         if self.sink.put(batch.request):
@@ -350,4 +358,3 @@ class Pipeline:
         else:
             self.stats.unenriched["export_refused"] += batch.spans
             log.warning("export queue refused %d spans", batch.spans)
-

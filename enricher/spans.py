@@ -13,9 +13,11 @@ exporter, enricher/inprocess.py): both unwrap values to Python and share one set
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import TransferAttempt, TransferResult, Verdict
@@ -98,8 +100,8 @@ def _str(value: Any) -> str | None:
 
 
 class _Ints(list):
-    """An unwrapped OTLP array whose elements were all non-zero ``int_value``s: `_int_list`
-    need not look at them one by one."""
+    """An unwrapped OTLP array whose elements were all ``int_value``s (int64 by construction):
+    `_int_list` need not look at them one by one."""
 
 
 def _int_list(value: Any) -> list[int] | None:
@@ -146,20 +148,81 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
 }
 
 _UNUSABLE = object()  # kvlist / bytes / empty values: no converter accepts it
+_KEY = operator.attrgetter("key")
+
+
+# Int arrays (block-hash chains, token ids) are decoded in C: the ``ArrayValue`` is serialized
+# once and parsed back as a *shadow* message whose singular ``values`` field makes upb merge
+# every element into one message, appending each element's ``int_value`` (field 3) to one
+# repeated int field -- a list in one slice instead of a Python-level access per element.
+# Elements of another kind (string, bool, empty...) leave no int behind, so the count tells
+# whether every element was an int; otherwise the per-element rule (`_unwrap_items`) applies.
+# The uint64 twin reads the two's-complement uint64 of each int64 directly (block hashes).
+def _shadow_classes() -> tuple[type, type]:
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="kvmiss/_shadow_int_arrays.proto",
+                                              package="kvmiss.shadow", syntax="proto3")
+    for suffix, kind in (("I64", F.TYPE_INT64), ("U64", F.TYPE_UINT64)):
+        ints = file.message_type.add(name=f"Ints{suffix}")  # AnyValue: int_value = 3
+        ints.field.add(name="int_value", number=3, type=kind, label=F.LABEL_REPEATED)
+        array = file.message_type.add(name=f"Array{suffix}")  # ArrayValue: values = 1
+        array.field.add(name="values", number=1, type=F.TYPE_MESSAGE, label=F.LABEL_OPTIONAL,
+                        type_name=f".kvmiss.shadow.Ints{suffix}")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"kvmiss.shadow.Array{s}"))
+                 for s in ("I64", "U64"))  # type: ignore[return-value]
+
+
+_ArrayI64, _ArrayU64 = _shadow_classes()
+
+
+def _int_array(value: Any, shadow: type) -> list[int] | None:
+    """The ``int_value`` of every element of ``value``'s array, decoded in C (int64 or uint64
+    per ``shadow``); None unless ``value`` is a non-empty array of ints only."""
+    array = value.array_value  # an empty default when value is not an array
+    count = len(array.values)
+    if not count:
+        return None
+    ints = shadow.FromString(array.SerializeToString()).values.int_value[:]
+    return ints if len(ints) == count else None
+
+
+def _unwrap_items(items: Any) -> list[Any]:
+    return [_unwrap(item) for item in items]
 
 
 def _unwrap(value: Any) -> Any:
     """An OTLP ``AnyValue`` as the Python value the SDK would hold for it."""
     kind = value.WhichOneof("value")
     if kind == "array_value":
-        # Fast path for int arrays (block chains; ~3x faster per element): an element of
-        # another kind reads as int_value 0, so without a 0 every element is an int.
-        items = value.array_value.values
-        ints = _Ints([item.int_value for item in items])
-        return ints if 0 not in ints else [_unwrap(item) for item in items]
+        ints = _int_array(value, _ArrayI64)
+        return _Ints(ints) if ints is not None else _unwrap_items(value.array_value.values)
     if kind in ("string_value", "int_value", "double_value", "bool_value"):
         return getattr(value, kind)
     return _UNUSABLE
+
+
+# How the OTLP reader takes each fact's value: the typed accessor the fact expects, tried
+# first (a oneof member reads as its default unless set, so a non-default value proves the
+# kind), else the generic `_unwrap` + converter. Same results as the generic rule alone.
+_STR, _INT, _FLOAT, _HASHES, _INTS, _OTHER = range(6)
+_ACCESS = {_str: _STR, _int: _INT, _float: _FLOAT, _hash_list: _HASHES, _int_list: _INTS}
+
+# What a scanned attribute is besides (maybe) an input: raw prompt material to strip, or an
+# output kvmiss writes (upserted). Spans are marked with the positions of both.
+_MARK_RAW, _MARK_OUTPUT = 1, 2
+_OUTPUT_NAMES = frozenset(names.OUTPUTS)
+_MISSING = object()
+
+
+class Marks(msgspec.Struct):
+    """Where a scanned span's raw inputs and output-named attributes are: (position, name)
+    pairs in attribute order, the span's attribute count then, and how many are raw."""
+
+    at: list[tuple[int, str]]
+    count: int
+    raw: int
 
 
 class SpanReader:
@@ -176,6 +239,8 @@ class SpanReader:
                 self._lookup.setdefault(attr, (fact, rank))
         self._instance_names = list(inputs.instance)
         self._worker_names = list(inputs.resource_worker)
+        # drop set -> `scanner` (built on first use; a benign race at worst builds twice)
+        self._scanners: dict[frozenset[str], Callable[..., Any]] = {}
 
     def raw_names(self, *, keep_block_hashes: bool = False) -> frozenset[str]:
         """Every attribute never exported: prompt material (token ids, extra keys) under the
@@ -219,12 +284,100 @@ class SpanReader:
         """The facts on OTLP ``span``, or None when it carries none. Names of attributes with
         an unusable value are appended to ``bad`` (names only: values may be prompt material).
         ``resource_worker``: `worker_of` the span's resource."""
-        lookup = self._lookup
-        hits = [(kv.key, kv.value) for kv in span.attributes if kv.key in lookup]
-        if not hits:
-            return None
-        return self._facts([(key, _unwrap(value)) for key, value in hits],
-                           span.start_time_unix_nano, bad, span.name, resource_worker)
+        found = self.scanner()(span, bad, resource_worker)
+        return None if found is None else found[0]
+
+    def scan(self, span: Any, bad: list[str] | None = None, *, resource_worker: str | None = None,
+             drop: frozenset[str] = frozenset()) -> tuple[SpanFacts | None, Marks | None]:
+        """`read`, and from the same single pass over the attributes the `Marks` of every
+        attribute named in ``drop`` (`raw_names`) or an output name (SPANS.md), so that
+        stripping and upserting need not scan the span again (`strip_marked`,
+        `upsert_marked`); None when there is none."""
+        found = self.scanner(drop)(span, bad, resource_worker)
+        return (None, None) if found is None else (found[0], found[2])
+
+    def scanner(self, drop: frozenset[str] = frozenset()) -> Callable[
+            [Any, list[str] | None, str | None], tuple[SpanFacts | None, dict[str, Any] | None, Marks | None] | None]:
+        """`scan` as a function of (span, bad, resource_worker), for a loop over many spans:
+        None for a span with no attribute of interest (most spans, found without a Python
+        loop over the attributes), else (facts, the facts' non-None fields as a dict --
+        `SpanFacts` field -> value, ``engine_lookup`` left out --, marks)."""
+        scan = self._scanners.get(drop)
+        if scan is None:
+            scan = self._scanners[drop] = self._make_scanner(drop)
+        return scan
+
+    def _make_scanner(self, drop: frozenset[str]) -> Callable[..., Any]:
+        # attribute name -> (fact or None, rank, how its value is taken, mark flags)
+        table: dict[str, tuple[str | None, int, int, int]] = {}
+        for attr in self._lookup.keys() | drop | _OUTPUT_NAMES:
+            fact, rank = self._lookup.get(attr, (None, 0))
+            access = _ACCESS.get(_CONVERTERS[fact], _OTHER) if fact is not None else _OTHER
+            mark = (_MARK_RAW if attr in drop else 0) | (_MARK_OUTPUT if attr in _OUTPUT_NAMES else 0)
+            table[attr] = (fact, rank, access, mark)
+        wanted = frozenset(table)
+        get = table.get
+        build = _build
+
+        def scan(span: Any, bad: list[str] | None, resource_worker: str | None) -> Any:
+            # A slice, not iteration: the container has no iterator of its own, and the
+            # sequence protocol's fallback ends every span on a formatted IndexError.
+            attributes = span.attributes[:]
+            keys = list(map(_KEY, attributes))  # a C loop: most spans end at the next line
+            if wanted.isdisjoint(keys):
+                return None
+            values: dict[str, Any] = {}
+            ranks: dict[str, int] = {}  # only ranks > 0: a fact's first name is rank 0
+            marks: list[tuple[int, str]] | None = None
+            raw = 0
+            for i, key in enumerate(keys):
+                entry = get(key)
+                if entry is None:
+                    continue
+                fact, rank, access, mark = entry
+                if mark:
+                    if marks is None:
+                        marks = [(i, key)]
+                    else:
+                        marks.append((i, key))
+                    if mark & _MARK_RAW:
+                        raw += 1
+                    if fact is None:
+                        continue
+                if fact in values and ranks.get(fact, 0) <= rank:
+                    continue
+                value = attributes[i].value
+                if access == _STR:
+                    converted = value.string_value or _str(_unwrap(value))
+                elif access == _INT:
+                    converted = value.int_value or _int(_unwrap(value))
+                elif access == _HASHES:
+                    converted = _int_array(value, _ArrayU64)
+                    if converted is None:
+                        converted = _hash_list(_unwrap(value))
+                elif access == _FLOAT:
+                    converted = value.double_value or _float(_unwrap(value))
+                elif access == _INTS:
+                    converted = _int_array(value, _ArrayI64)
+                    if converted is None:
+                        converted = _int_list(_unwrap(value))
+                else:
+                    converted = _CONVERTERS[fact](_unwrap(value))  # type: ignore[index]
+                if converted is None:
+                    if bad is not None:
+                        bad.append(key)
+                    continue
+                values[fact] = converted  # type: ignore[index]
+                if rank:
+                    ranks[fact] = rank  # type: ignore[index]
+                elif ranks:
+                    ranks.pop(fact, None)  # type: ignore[arg-type]
+            found = None if marks is None else Marks(marks, len(keys), raw)
+            if not values:
+                return None if found is None else (None, None, found)
+            return (*build(values, span, resource_worker), found)
+
+        return scan
 
     def read_attributes(self, attributes: Mapping[str, Any], start_time_unix_nano: int | None,
                         bad: list[str] | None = None, *, name: str = "",
@@ -265,6 +418,23 @@ class SpanReader:
             elif fact != "transfer_source":
                 setattr(facts, fact, value)
         return facts
+
+
+def _build(values: dict[str, Any], span: Any, resource_worker: str | None) -> tuple[SpanFacts, dict[str, Any]]:
+    """`SpanFacts` from converted values by fact name (`_CONVERTERS`' keys) of OTLP ``span``,
+    and its non-None fields (``values``, renamed in place)."""
+    if "lookup_time_unix_nano" in values:
+        values["lookup_time"] = values.pop("lookup_time_unix_nano") / 1e9
+    if "time_in_queue_s" in values:
+        values["queue_lookup_time"] = span.start_time_unix_nano / 1e9 + values.pop("time_in_queue_s")
+    if "transfer_source" in values or "transfer_result" in values:
+        source = values.pop("transfer_source", None)
+        result = values.pop("transfer_result", _MISSING)
+        if result is not _MISSING:
+            values["transfer"] = TransferAttempt(result, source)
+    if resource_worker is not None:
+        values["resource_worker"] = resource_worker
+    return SpanFacts(**values, engine_lookup=span.name == names.PREFIX_LOOKUP_SPAN), values
 
 
 def _set(kv: Any, value: Any) -> None:
