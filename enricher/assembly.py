@@ -41,6 +41,12 @@ class Fragment(msgspec.Struct):
     span: Any  # the protobuf Span (owned by a pending export batch)
     batch: Any  # the pending batch holding it
     instance: str | None = None
+    # Where the span's raw inputs and output-named attributes are (`spans.Marks`, from the
+    # pipeline's one scan), or `WRITTEN` once the verdict is written (raw inputs stripped).
+    marks: Any = None
+
+
+WRITTEN = "written"  # Fragment.marks once the pipeline wrote the span (see Pipeline._write)
 
 
 class Assembly:

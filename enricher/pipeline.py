@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterable, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher.assembly import (Assembly, Fragment, JudgedRequests, MissingFacts, incomplete_verdict,
-                                     join_target, to_request_facts)
+from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, JudgedRequests, MissingFacts,
+                                     incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import (Marks, SpanFacts, SpanReader, strip_raw_inputs, upsert_attributes,
+from kvmiss.enricher.spans import (Marks, SpanFacts, SpanReader, strip_marked, upsert_attributes, upsert_marked,
                                   verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
@@ -53,7 +53,7 @@ class PendingBatch:
         self.request = request
         self.spans = spans
         self.waiting = 0
-        self.carriers: list[Any] = []  # spans with raw inputs (the scan marks them)
+        self.carriers: list[Fragment] = []  # spans with raw inputs, as fragments (with their marks)
 
 
 WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
@@ -185,11 +185,13 @@ class Pipeline:
         it); its trace id, or None when it carries no facts. A span with raw inputs is kept
         with their marks, to be stripped on release."""
         facts, _, marks = found
-        if marks is not None and marks.raw:
-            batch.carriers.append(span)
         if facts is None:
+            if marks is not None and marks.raw:
+                batch.carriers.append(Fragment(None, span, batch, instance, marks))  # type: ignore[arg-type]
             return None
-        fragment = Fragment(facts, span, batch, instance)
+        fragment = Fragment(facts, span, batch, instance, marks)
+        if marks is not None and marks.raw:
+            batch.carriers.append(fragment)
         trace_id = span.trace_id
         trace = self._traces.get(trace_id)
         if trace is None:
@@ -304,8 +306,7 @@ class Pipeline:
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
         verdict = self.attributor.attribute(facts)
-        outcome = assembly.outcome_fragment()
-        upsert_attributes(outcome.span, verdict_attributes(verdict, facts.lookup_time))
+        self._write(assembly.outcome_fragment(), verdict_attributes(verdict, facts.lookup_time))
         key = self.metric_key(facts, verdict)
         self.stats.verdicts[key] += 1
         self.stats.missed_tokens[key] += verdict.missed_tokens
@@ -333,7 +334,7 @@ class Pipeline:
     def _give_up(self, assembly: Assembly, missing: MissingFacts) -> None:
         """Facts never completed: the outcome span still goes out, labelled with the honest
         unknown and what was missing."""
-        upsert_attributes(assembly.outcome_fragment().span, verdict_attributes(incomplete_verdict(missing)))
+        self._write(assembly.outcome_fragment(), verdict_attributes(incomplete_verdict(missing)))
         self.stats.unenriched["facts_incomplete"] += 1
         self._finish(assembly)
 
@@ -349,9 +350,20 @@ class Pipeline:
             if fragment.batch.waiting == 0:
                 self._release(fragment.batch)
 
+    def _write(self, fragment: Fragment, values: dict[str, Any]) -> None:
+        """Upsert ``values`` on the fragment's span and strip its raw inputs now (its facts
+        are read), from its marks; a span written before is rescanned."""
+        if fragment.marks is WRITTEN:
+            upsert_attributes(fragment.span, values, drop=self.drop)
+        else:
+            upsert_marked(fragment.span, values, fragment.marks, self.drop)
+            fragment.marks = WRITTEN
+
     def _release(self, batch: PendingBatch) -> None:
-        for span in batch.carriers:  # every span with a raw input (the scan marked them)
-            strip_raw_inputs(span, self.drop)
+        drop = self.drop
+        for fragment in batch.carriers:  # every span with a raw input, marked by `_take`
+            if fragment.marks is not WRITTEN:  # (a written span was stripped then)
+                strip_marked(fragment.span, fragment.marks, drop)
         self.pending_spans -= batch.spans
         if self.sink.put(batch.request):
             self.stats.spans_out += batch.spans

@@ -14,10 +14,12 @@ exporter, enricher/inprocess.py): both unwrap values to Python and share one set
 from __future__ import annotations
 
 import operator
+import struct
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as _SpanType
 
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import TransferAttempt, TransferResult, Verdict
@@ -493,10 +495,7 @@ def upsert_attributes(span: Any, values: dict[str, Any], *, drop: Iterable[str] 
     remove = set(values) | set(drop)
     attributes = span.attributes
     _delete(attributes, [i for i, kv in enumerate(attributes) if kv.key in remove])
-    for key, value in values.items():
-        kv = attributes.add()
-        kv.key = key
-        _set(kv, value)
+    _append(span, values)
 
 
 def _delete(attributes: Any, indexes: list[int]) -> None:
@@ -510,3 +509,185 @@ def strip_raw_inputs(span: Any, drop: frozenset[str]) -> None:
     """Remove the attributes in ``drop`` (`SpanReader.raw_names`) from a span before export."""
     attributes = span.attributes
     _delete(attributes, [i for i, kv in enumerate(attributes) if kv.key in drop])
+
+
+# --- the same, for a span `SpanReader.scan` has marked -------------------------------------------
+
+
+def _strip(span: Any, marks: Marks, drop: frozenset[str]) -> bool:
+    """Delete the marked attributes named in ``drop``, if the span is still as scanned
+    (attribute count and every such name at its position); False (having deleted only
+    verified ones) if it is not."""
+    attributes = span.attributes
+    if len(attributes) != marks.count:
+        return False
+    for i, key in reversed(marks.at):  # from the end: earlier positions stay valid
+        if key in drop:
+            if attributes[i].key != key:
+                return False
+            del attributes[i]
+    return True
+
+
+def strip_marked(span: Any, marks: Marks, drop: frozenset[str]) -> None:
+    """`strip_raw_inputs` for a span scanned with ``drop`` and not changed since: deletes the
+    marked positions without looking at the other attributes. Should the span have changed
+    after all (count or a marked name differs), scans it like `strip_raw_inputs`."""
+    if not _strip(span, marks, drop):
+        strip_raw_inputs(span, drop)  # only what is left of them: deleted ones were in drop
+
+
+def upsert_marked(span: Any, values: dict[str, Any], marks: Marks | None, drop: frozenset[str]) -> None:
+    """`upsert_attributes(span, values, drop=drop)` for a span scanned with ``drop`` and not
+    changed since (``marks`` as `SpanReader.scan` returned them): only the marked positions
+    are looked at. Falls back to the scanning version if the span changed after all, or
+    for a key that is not an output name (only those are marked)."""
+    if not _OUTPUT_NAMES.issuperset(values):
+        upsert_attributes(span, values, drop=drop)
+        return
+    if marks is not None:
+        attributes = span.attributes
+        if len(attributes) != marks.count:
+            upsert_attributes(span, values, drop=drop)
+            return
+        for i, key in reversed(marks.at):
+            if key in values or key in drop:
+                if attributes[i].key != key:
+                    upsert_attributes(span, values, drop=drop)  # what is left to delete
+                    return
+                del attributes[i]
+    _append(span, values)
+
+
+# Writing: the new attributes are encoded as the wire bytes of Span.attributes entries (field
+# 9) and appended with one `MergeFromString` -- a repeated field's entries are appended on
+# merge -- instead of a KeyValue + AnyValue message built through upb per attribute. The bytes
+# are what `_set` would have built; any value it would treat differently (out of int64 range,
+# not encodable as UTF-8...) falls back to `_set`, which raises what it raised before.
+_SPAN_ATTRIBUTES_TAG = b"\x4a"  # Span.attributes: field 9, length-delimited
+_VARINTS = tuple(bytes((n,)) if n < 0x80 else bytes((n & 0x7F | 0x80, n >> 7)) for n in range(1 << 14))
+_INT64_MIN, _INT64_END = -(1 << 63), 1 << 63
+_TRUE, _FALSE = b"\x10\x01", b"\x10\x00"  # AnyValue.bool_value (field 2)
+_DOUBLE = struct.Struct("<d").pack  # AnyValue.double_value (field 4), fixed64
+_key_fields: dict[str, bytes] = {}  # key -> KeyValue.key field bytes (names are few and fixed)
+_entries: dict[str, dict[str | int, bytes]] = {}  # key -> value -> Span.attributes entry bytes
+_CACHE_MAX, _CACHE_PER_KEY = 1024, 512
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf varint of 0 <= n < 2**64."""
+    if n < 0x4000:
+        return _VARINTS[n]
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _string(text: str) -> bytes:
+    """An AnyValue.string_value (field 1) or ArrayValue element payload."""
+    data = text.encode()
+    return b"\x0a" + _varint(len(data)) + data
+
+
+class _NotEncodable(Exception):
+    pass
+
+
+def _any_value(value: Any) -> bytes | None:
+    """The AnyValue bytes `_set` would build for ``value``; None for no value at all (an
+    empty list: `_set` adds no element, so the KeyValue is left without a value)."""
+    if type(value) is str:
+        return _string(value)
+    if isinstance(value, bool):
+        return _TRUE if value else _FALSE
+    if isinstance(value, int):
+        if not _INT64_MIN <= value < _INT64_END:
+            raise _NotEncodable
+        return b"\x18" + _varint(value & MASK64)
+    if isinstance(value, float):
+        return b"\x21" + _DOUBLE(value)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return None
+        items = b"".join([b"\x0a" + _varint(len(item)) + item for item in map(_string, map(str, value))])
+        return b"\x2a" + _varint(len(items)) + items
+    return _string(str(value))
+
+
+def encode_attributes(values: dict[str, Any]) -> bytes:
+    """``values`` as Span.attributes wire bytes (raises `_NotEncodable` or an encoding error
+    where `_set` would not build the same message). Whole entries of str and int values are
+    cached per key (a bounded dict each): labels, owners, reasons, small counts repeat."""
+    parts = []
+    varints = _VARINTS
+    for key, value in values.items():
+        kind = type(value)
+        cache = None
+        if kind is str or kind is int:  # exact types only: True == 1 == 1.0 as dict keys
+            cache = _entries.get(key)
+            if cache is not None:
+                entry = cache.get(value)
+                if entry is not None:
+                    parts.append(entry)
+                    continue
+            if kind is str:
+                data = value.encode()
+                size = len(data)
+                any_value = b"\x0a" + (varints[size] if size < 0x4000 else _varint(size)) + data
+            else:
+                if not _INT64_MIN <= value < _INT64_END:
+                    raise _NotEncodable
+                any_value = b"\x18" + _varint(value & MASK64)
+        else:
+            any_value = _any_value(value)
+        field = _key_fields.get(key)
+        if field is None:
+            field = _key_field(key)
+        if any_value is not None:
+            size = len(any_value)
+            field += b"\x12" + (varints[size] if size < 0x4000 else _varint(size)) + any_value
+        size = len(field)
+        entry = _SPAN_ATTRIBUTES_TAG + (varints[size] if size < 0x4000 else _varint(size)) + field
+        if kind is str or kind is int:
+            if cache is None:
+                if len(_entries) >= _CACHE_MAX:
+                    _entries.clear()
+                cache = _entries[key] = {}
+            elif len(cache) >= _CACHE_PER_KEY:  # a key of unique values (digests): start over
+                cache.clear()
+            cache[value] = entry
+        parts.append(entry)
+    return b"".join(parts)
+
+
+def _key_field(key: str) -> bytes:
+    """The KeyValue.key field bytes of ``key`` (cached)."""
+    if type(key) is not str:
+        raise _NotEncodable
+    data = key.encode()
+    field = b"\x0a" + _varint(len(data)) + data
+    if len(_key_fields) >= _CACHE_MAX:
+        _key_fields.clear()
+    _key_fields[key] = field
+    return field
+
+
+def _append(span: Any, values: dict[str, Any]) -> None:
+    """Append ``values`` as attributes (the caller removed same-named ones)."""
+    if type(span) is _SpanType:
+        try:
+            data = encode_attributes(values)
+        except (_NotEncodable, UnicodeError):
+            pass
+        else:
+            span.MergeFromString(data)
+            return
+    attributes = span.attributes
+    for key, value in values.items():
+        kv = attributes.add()
+        kv.key = key
+        _set(kv, value)
+

@@ -253,6 +253,12 @@ def test_marks_name_every_raw_input_and_output_where_it_is(reader_name, data):
         return
     assert marks.at == expected and marks.count == len(span.attributes)
     assert marks.raw == sum(1 for _, key in expected if key in drop)
+    stripped, reference = trace_pb2.Span(), trace_pb2.Span()
+    stripped.CopyFrom(span)
+    reference.CopyFrom(span)
+    S.strip_marked(stripped, marks, drop)
+    S.strip_raw_inputs(reference, drop)
+    assert stripped == reference
 
 
 def test_a_chain_with_an_element_of_another_kind_is_a_bad_attribute_and_the_span_passes_through():
@@ -285,4 +291,65 @@ def test_a_chain_with_an_element_of_another_kind_is_a_bad_attribute_and_the_span
     assert "kvmiss.block_hashes" not in exported  # stripped all the same
     assert list(exported)[:2] == ["gen_ai.request.id", "kvmiss.route.worker"]
     assert exported[names.LABEL].string_value == "unknown_history"  # no counts on it: facts incomplete
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+class Color(str, enum.Enum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    HIGH = 3
+
+
+output_values = (st.text(max_size=12) | st.sampled_from(["", "hit", "é", "\U0001f600"]) | INT64 | st.booleans()
+                 | st.floats() | st.sampled_from([0.0, -0.0, math.nan, math.inf]) | st.sampled_from([Color.RED, Level.HIGH])
+                 | st.lists(st.text(max_size=4) | st.integers(0, 9), max_size=3)
+                 | st.tuples(st.text(max_size=4)) | st.just([]) | st.just(()))
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from(list(names.OUTPUTS) + ["other", ""]), output_values, max_size=8),
+       st.lists(st.sampled_from(list(names.OUTPUTS[:4]) + ["other", "kvmiss.token_ids"]), max_size=5))
+def test_upserts_through_one_merge_build_what_add_builds(values, existing):
+    span = trace_pb2.Span(name="s")
+    for key in existing:
+        span.attributes.add(key=key).value.string_value = "old"
+    fast, reference = trace_pb2.Span(), trace_pb2.Span()
+    fast.CopyFrom(span)
+    reference.CopyFrom(span)
+    drop = frozenset({"kvmiss.token_ids"})
+    S.upsert_attributes(fast, values, drop=drop)
+    upsert_reference(reference, values, drop=drop)
+    assert fast.SerializeToString() == reference.SerializeToString()
+    marked = trace_pb2.Span()
+    marked.CopyFrom(span)
+    _, marks = S.SpanReader().scan(marked, [], drop=drop)
+    S.upsert_marked(marked, values, marks, drop)
+    assert marked.SerializeToString() == reference.SerializeToString()
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, "\ud800", ["ok", "\udfff"]])
+def test_values_add_refuses_are_still_refused_the_same_way(value):
+    fast, reference = trace_pb2.Span(), trace_pb2.Span()
+    with pytest.raises(Exception) as expected:
+        upsert_reference(reference, {"kvmiss.label": value})
+    with pytest.raises(type(expected.value)):
+        S.upsert_attributes(fast, {"kvmiss.label": value})
+
+
+def test_a_marked_span_changed_since_its_scan_is_rescanned():
+    drop = frozenset({"kvmiss.token_ids"})
+    span = trace_pb2.Span()
+    for key in ("a", "kvmiss.token_ids", "kvmiss.label"):
+        span.attributes.add(key=key).value.string_value = "x"
+    _, marks = S.SpanReader().scan(span, [], drop=drop)
+    del span.attributes[0]  # positions moved: the marks no longer hold
+    S.upsert_marked(span, {"kvmiss.label": "hit"}, marks, drop)
+    assert [(kv.key, kv.value.string_value) for kv in span.attributes] == [("kvmiss.label", "hit")]
+    span.attributes.add(key="kvmiss.token_ids")
+    S.strip_marked(span, marks, drop)
+    assert [kv.key for kv in span.attributes] == ["kvmiss.label"]
 
