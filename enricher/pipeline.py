@@ -19,7 +19,9 @@ answers RETRYABLE with a retry delay instead of buffering without bound.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 from typing import Any, Callable, Iterable, Protocol
 
@@ -63,16 +65,21 @@ class WaitHistogram:
     """Cumulative histogram of history waits: a fixed size whether or not anyone scrapes."""
 
     def __init__(self) -> None:
-        self.counts = [0] * len(WAIT_BUCKETS)
+        self._per_bucket = [0] * len(WAIT_BUCKETS)  # the smallest bucket each value fits
         self.total = 0
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
         self.total += 1
         self.sum += value
-        for i, bound in enumerate(WAIT_BUCKETS):
-            if value <= bound:
-                self.counts[i] += 1
+        i = bisect.bisect_left(WAIT_BUCKETS, value)  # the first bound >= value
+        if i < len(WAIT_BUCKETS) and value == value:  # (NaN fits no bucket)
+            self._per_bucket[i] += 1
+
+    @property
+    def counts(self) -> list[int]:
+        """Per bucket, how many values were <= its bound (Prometheus' cumulative buckets)."""
+        return list(itertools.accumulate(self._per_bucket))
 
 
 class PipelineStats:
@@ -184,12 +191,12 @@ class Pipeline:
         """Hold ``span`` as a fragment of its request (``found``: what the scanner found on
         it); its trace id, or None when it carries no facts. A span with raw inputs is kept
         with their marks, to be stripped on release."""
-        facts, _, marks = found
+        facts, fields, marks = found
         if facts is None:
             if marks is not None and marks.raw:
                 batch.carriers.append(Fragment(None, span, batch, instance, marks))  # type: ignore[arg-type]
             return None
-        fragment = Fragment(facts, span, batch, instance, marks)
+        fragment = Fragment(facts, span, batch, instance, marks, fields)
         if marks is not None and marks.raw:
             batch.carriers.append(fragment)
         trace_id = span.trace_id

@@ -456,34 +456,40 @@ def _set(kv: Any, value: Any) -> None:
 
 def verdict_attributes(verdict: Verdict, lookup_time: float | None = None) -> dict[str, Any]:
     """The output attributes for one verdict (SPANS.md), None-valued ones left out."""
+    # ``_value_`` is what an enum member's ``value`` property returns, without the property.
     out: dict[str, Any] = {
-        names.LABEL: verdict.label.value,
-        names.OWNER: verdict.owner.value,
+        names.LABEL: verdict.label._value_,
+        names.OWNER: verdict.owner._value_,
         names.REASON: verdict.reason,
     }
     if verdict.history is not None:
-        out[names.HISTORY] = verdict.history.value
+        out[names.HISTORY] = verdict.history._value_
     if verdict.first_miss_block is not None:
         out[names.FIRST_MISS_BLOCK] = verdict.first_miss_block
         out[names.MISSED_TOKENS] = verdict.missed_tokens
         out[names.HOLDERS] = verdict.holders
-    optional = {
-        names.FIRST_MISS_DIGEST: verdict.first_miss_digest,
-        names.EVICTION_AGE_MS: verdict.eviction_age_ms,
-        names.EPOCH: verdict.epoch,
-        names.STORED_SEQ: verdict.stored_seq,
-        names.REMOVED_SEQ: verdict.removed_seq,
-        names.GAP_FROM_SEQ: verdict.gap_from_seq,
-        names.GAP_TO_SEQ: verdict.gap_to_seq,
-        names.WINDOW_START: verdict.window_start.value if verdict.window_start else None,
-    }
-    out.update({k: v for k, v in optional.items() if v is not None})
+    if verdict.first_miss_digest is not None:
+        out[names.FIRST_MISS_DIGEST] = verdict.first_miss_digest
+    if verdict.eviction_age_ms is not None:
+        out[names.EVICTION_AGE_MS] = verdict.eviction_age_ms
+    if verdict.epoch is not None:
+        out[names.EPOCH] = verdict.epoch
+    if verdict.stored_seq is not None:
+        out[names.STORED_SEQ] = verdict.stored_seq
+    if verdict.removed_seq is not None:
+        out[names.REMOVED_SEQ] = verdict.removed_seq
+    if verdict.gap_from_seq is not None:
+        out[names.GAP_FROM_SEQ] = verdict.gap_from_seq
+    if verdict.gap_to_seq is not None:
+        out[names.GAP_TO_SEQ] = verdict.gap_to_seq
+    if verdict.window_start:
+        out[names.WINDOW_START] = verdict.window_start._value_
     if verdict.extra_key_kinds:
         out[names.EXTRA_KEY_KINDS] = list(verdict.extra_key_kinds)
     if verdict.window_start_ts is not None and lookup_time is not None:
         out[names.WINDOW_SECONDS] = round(lookup_time - verdict.window_start_ts, 3)
     if verdict.divergence is not None:
-        out[names.DIVERGENCE_KIND] = verdict.divergence.kind.value
+        out[names.DIVERGENCE_KIND] = verdict.divergence.kind._value_
         if verdict.divergence.first_token_index is not None:
             out[names.DIVERGENCE_TOKEN] = verdict.divergence.first_token_index
     return out

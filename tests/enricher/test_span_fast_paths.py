@@ -353,3 +353,73 @@ def test_a_marked_span_changed_since_its_scan_is_rescanned():
     S.strip_marked(span, marks, drop)
     assert [kv.key for kv in span.attributes] == ["kvmiss.label"]
 
+
+verdicts = st.builds(
+    Verdict, label=st.sampled_from(Label), owner=st.sampled_from(Owner), reason=st.text(max_size=20),
+    history=st.none() | st.sampled_from(History), first_miss_block=st.none() | st.integers(0, 10**6),
+    first_miss_digest=st.none() | st.text(max_size=10), extra_key_kinds=st.lists(st.text(max_size=4), max_size=2).map(tuple),
+    missed_tokens=st.integers(0, 10**6), eviction_age_ms=st.none() | st.integers(0, 10**9),
+    holders=st.integers(0, 8), epoch=st.none() | st.integers(0, 9), stored_seq=st.none() | st.integers(0, 2**40),
+    removed_seq=st.none() | st.integers(0, 2**40), window_start=st.none() | st.sampled_from(WindowStart),
+    window_start_ts=st.none() | st.floats(0, 2e9), gap_from_seq=st.none() | st.integers(0, 99),
+    gap_to_seq=st.none() | st.integers(0, 99),
+    divergence=st.none() | st.builds(Divergence, kind=st.sampled_from(DivergenceKind),
+                                     first_token_index=st.none() | st.integers(0, 999)))
+
+
+@SETTINGS
+@given(verdicts, st.none() | st.floats(0, 2e9))
+def test_verdict_attributes_are_the_same_entries_in_the_same_order(verdict, lookup_time):
+    fast = S.verdict_attributes(verdict, lookup_time)
+    reference = verdict_attributes_reference(verdict, lookup_time)
+    assert list(fast.items()) == list(reference.items())
+
+
+# --- assembly --------------------------------------------------------------------------------
+
+
+span_facts = st.builds(
+    S.SpanFacts, request_id=st.none() | st.sampled_from(["r1", "r1-abcdefgh"]),
+    prompt_tokens=st.none() | st.integers(0, 999), cached_tokens=st.none() | st.integers(0, 999),
+    block_size=st.none() | st.sampled_from([0, 16]), worker=st.none() | st.sampled_from(["w0", "w1"]),
+    block_hashes=st.none() | st.lists(st.integers(0, 9), max_size=4), instance=st.none() | st.just("i"),
+    lookup_time=st.none() | st.floats(0, 10), queue_lookup_time=st.none() | st.floats(0, 10),
+    extra_key_kinds=st.none() | st.lists(st.just("lora"), max_size=1),
+    transfer=st.none() | st.builds(TransferAttempt, st.sampled_from(TransferResult), st.none() | st.just("cpu")),
+    resource_worker=st.none() | st.just("w2"), engine_lookup=st.booleans(), route_policy=st.none() | st.just("p"))
+
+
+@SETTINGS
+@given(st.lists(st.tuples(span_facts, st.none() | st.sampled_from(["", "inst-a", "inst-b"]), st.booleans()),
+                min_size=1, max_size=4))
+def test_merging_set_fields_equals_copying_every_field(fragments):
+    assembly = Assembly(b"t" * 16, "r1", 0.0)
+    for facts, instance, with_fields in fragments:
+        fields = ({k: v for k, v in msgspec.structs.asdict(facts).items() if v is not None and k != "engine_lookup"}
+                  if with_fields else None)  # as the scanner hands them over, or derived
+        assembly.fragments.append(Fragment(facts, None, None, instance, None, fields))
+    assert as_dict(assembly.merged()) == as_dict(merged_reference(assembly))
+    reference = merged_reference(assembly)
+    facts = to_request_facts(assembly, hasher=None, default_block_size=16, errors=[])
+    if reference.prompt_tokens is None or reference.cached_tokens is None:
+        assert set(facts.missing) == {n for n in ("prompt_tokens", "cached_tokens") if getattr(reference, n) is None}
+    else:
+        assert facts.worker == (reference.worker or reference.resource_worker)
+        assert facts.block_hashes == reference.block_hashes
+        assert facts.lookup_time == (reference.lookup_time if reference.lookup_time is not None
+                                     else reference.queue_lookup_time)
+        assert facts.instance_hint == reference.instance
+        assert facts.transfers == tuple(f.transfer for f, _, _ in fragments if f.transfer is not None)
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(st.lists(st.floats(allow_nan=True) | st.sampled_from(list(WAIT_BUCKETS)), max_size=50))
+def test_the_wait_histogram_counts_as_the_cumulative_rule(values):
+    h = WaitHistogram()
+    for v in values:
+        h.observe(v)
+    assert h.counts == [sum(1 for v in values if v <= bound) for bound in WAIT_BUCKETS]
+    assert h.total == len(values)
