@@ -208,24 +208,30 @@ class JudgedRequests:
 
     def __init__(self, max_traces: int = 20_000):
         self.max_traces = max_traces
-        self._by_trace: collections.OrderedDict[bytes, set[str]] = collections.OrderedDict()
+        # trace id -> its judged ids: a str (one, the common case) or a tuple of them. Not
+        # sets: this holds up to max_traces entries for a long time, and a str or a tuple
+        # of str is no work for the cyclic GC (a set is traversed by every full collection,
+        # and thousands of new ones trigger full collections).
+        self._by_trace: collections.OrderedDict[bytes, str | tuple[str, ...]] = collections.OrderedDict()
 
     def add(self, assembly: Assembly) -> None:
         ids = assembly.request_ids()
         if not ids:
             return
-        known = self._by_trace.get(assembly.trace_id)
+        trace_id = assembly.trace_id
+        known = self._by_trace.get(trace_id)
         if known is None:
-            self._by_trace[assembly.trace_id] = ids
+            self._by_trace[trace_id] = next(iter(ids)) if len(ids) == 1 else tuple(sorted(ids))
             if len(self._by_trace) > self.max_traces:
                 self._by_trace.popitem(last=False)
         else:
-            known |= ids
+            self._by_trace[trace_id] = tuple(sorted(_ids(known) | ids))
 
     def judged_partner(self, assembly: Assembly) -> bool:
         known = self._by_trace.get(assembly.trace_id)
         if not known:
             return False
+        known = _ids(known)
         mine = assembly.request_ids()
         if not mine or mine & known:
             return False
@@ -233,6 +239,10 @@ class JudgedRequests:
 
     def __len__(self) -> int:
         return len(self._by_trace)
+
+
+def _ids(known: str | tuple[str, ...]) -> set[str]:
+    return {known} if type(known) is str else set(known)
 
 
 class MissingFacts(msgspec.Struct, frozen=True):

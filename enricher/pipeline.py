@@ -371,6 +371,7 @@ class Pipeline:
         for fragment in batch.carriers:  # every span with a raw input, marked by `_take`
             if fragment.marks is not WRITTEN:  # (a written span was stripped then)
                 strip_marked(fragment.span, fragment.marks, drop)
+        batch.carriers.clear()  # fragments point back at the batch: no cycle left for the GC
         self.pending_spans -= batch.spans
         if self.sink.put(batch.request):
             self.stats.spans_out += batch.spans

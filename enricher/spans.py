@@ -329,7 +329,7 @@ class SpanReader:
             if wanted.isdisjoint(keys):
                 return None
             values: dict[str, Any] = {}
-            ranks: dict[str, int] = {}  # only ranks > 0: a fact's first name is rank 0
+            ranks: dict[str, int] | None = None  # only ranks > 0: a fact's first name is rank 0
             marks: list[tuple[int, str]] | None = None
             raw = 0
             for i, key in enumerate(keys):
@@ -346,7 +346,7 @@ class SpanReader:
                         raw += 1
                     if fact is None:
                         continue
-                if fact in values and ranks.get(fact, 0) <= rank:
+                if fact in values and (ranks.get(fact, 0) if ranks else 0) <= rank:
                     continue
                 value = attributes[i].value
                 if access == _STR:
@@ -371,6 +371,8 @@ class SpanReader:
                     continue
                 values[fact] = converted  # type: ignore[index]
                 if rank:
+                    if ranks is None:
+                        ranks = {}
                     ranks[fact] = rank  # type: ignore[index]
                 elif ranks:
                     ranks.pop(fact, None)  # type: ignore[arg-type]

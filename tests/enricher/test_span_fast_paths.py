@@ -24,7 +24,7 @@ from kvmiss.enricher import spans as S
 from kvmiss.enricher.assembly import ENGINE_FACTS, Assembly, Fragment, to_request_facts
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.pipeline import WAIT_BUCKETS, Pipeline, WaitHistogram
+from kvmiss.enricher.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import (Divergence, DivergenceKind, History, Label, Owner, TransferAttempt,
                                        TransferResult, Verdict, WindowStart)
@@ -423,3 +423,69 @@ def test_the_wait_histogram_counts_as_the_cumulative_rule(values):
         h.observe(v)
     assert h.counts == [sum(1 for v in values if v <= bound) for bound in WAIT_BUCKETS]
     assert h.total == len(values)
+
+
+def test_a_released_batch_leaves_no_reference_cycle_behind():
+    """Fragments point at their batch and the batch at its carriers: released, nothing may
+    be left for the cyclic GC (a held request's whole upb arena would wait for a full
+    collection)."""
+    import gc
+
+    class Discard:
+        def has_capacity(self, spans):
+            return True
+
+        def put(self, request):
+            return True
+
+    pipe = Pipeline(Attributor(ResidencyIndex(["w0"])), Discard(), clock=lambda: 0.0, judge_on_arrival=True)
+
+    def batch(n: int) -> ExportTraceServiceRequest:
+        request = ExportTraceServiceRequest()
+        spans = request.resource_spans.add().scope_spans.add().spans
+        for i in range(n):
+            span = spans.add(trace_id=bytes([i + 1]) * 16, span_id=b"\x02" * 8)
+            for key, value in (("gen_ai.request.id", f"r{i}"), ("kvmiss.route.worker", "w0")):
+                span.attributes.add(key=key).value.string_value = value
+            for key in ("gen_ai.usage.input_tokens", "gen_ai.usage.cache_read.input_tokens"):
+                span.attributes.add(key=key).value.int_value = 32
+            span.attributes.add(key="kvmiss.block_hashes").value.array_value.values.add().int_value = 5
+            spans.add(trace_id=bytes([i + 1]) * 16, span_id=b"\x03" * 8).attributes.add(
+                key="kvmiss.token_ids").value.array_value.values.add().int_value = 1  # raw input, no facts
+        return request
+
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            coroutine = pipe.consume(batch(8))
+            with pytest.raises(StopIteration):
+                coroutine.send(None)
+        pipe.poll(final=True)
+        assert pipe.stats.spans_out == 48 and pipe.pending_spans == 0
+        held = [o for o in gc.get_objects() if isinstance(o, (Fragment, PendingBatch))]
+        assert held == []  # freed by reference counting alone: no cycle kept them
+    finally:
+        gc.enable()
+
+
+def test_judged_ids_kept_as_str_or_tuple_find_late_partners_as_sets_did():
+    from kvmiss.enricher.assembly import JudgedRequests
+
+    def assembly(trace: bytes, *ids: str | None) -> Assembly:
+        a = Assembly(trace, ids[0], 0.0)
+        a.fragments.extend(Fragment(S.SpanFacts(request_id=i), None, None) for i in ids)
+        return a
+
+    judged = JudgedRequests(max_traces=2)
+    judged.add(assembly(b"t1", "r1"))
+    judged.add(assembly(b"t1", "r2", "r3"))  # the same trace again: ids merge
+    judged.add(assembly(b"t2", None))  # no id: nothing kept
+    assert judged.judged_partner(assembly(b"t1", "r3-abcdefgh"))  # extends a judged id
+    assert judged.judged_partner(assembly(b"t1", "r1-abcdefgh"))
+    assert not judged.judged_partner(assembly(b"t1", "r2"))  # its own id: re-sent, judged again
+    assert not judged.judged_partner(assembly(b"t1", "x"))
+    assert not judged.judged_partner(assembly(b"t2", "r1-abcdefgh"))
+    judged.add(assembly(b"t3", "a"))
+    judged.add(assembly(b"t4", "b"))  # bounded: t1 forgotten first
+    assert len(judged) == 2 and not judged.judged_partner(assembly(b"t1", "r1-abcdefgh"))
