@@ -41,52 +41,84 @@ class Fragment(msgspec.Struct):
     span: Any  # the protobuf Span (owned by a pending export batch)
     batch: Any  # the pending batch holding it
     instance: str | None = None
+    # Where the span's raw inputs and output-named attributes are (`spans.Marks`, from the
+    # pipeline's one scan), or `WRITTEN` once the verdict is written (raw inputs stripped).
+    marks: Any = None
+    # ``facts``' non-None fields but ``engine_lookup`` (`SpanReader.scanner` gives them;
+    # derived from ``facts`` when not given). Read-only.
+    fields: dict[str, Any] | None = None
+
+    def set_fields(self) -> dict[str, Any]:
+        fields = self.fields
+        if fields is None:
+            fields = self.fields = {k: v for k, v in zip(_FIELDS, msgspec.structs.astuple(self.facts))
+                                    if v is not None and k != "engine_lookup"}
+        return fields
 
 
-class Assembly:
+WRITTEN = "written"  # Fragment.marks once the pipeline wrote the span (see Pipeline._write)
+
+
+class Assembly(msgspec.Struct):
     """Every fragment seen so far for one (trace, request)."""
 
-    __slots__ = ("trace_id", "request_id", "fragments", "first_seen", "done")
-
-    def __init__(self, trace_id: bytes, request_id: str | None, now: float):
-        self.trace_id = trace_id
-        self.request_id = request_id
-        self.fragments: list[Fragment] = []
-        self.first_seen = now
-        self.done = False
+    trace_id: bytes
+    request_id: str | None
+    first_seen: float
+    fragments: list[Fragment] = msgspec.field(default_factory=list)
+    done: bool = False
 
     def merged(self) -> SpanFacts:
         """Field by field, the first fragment that has a value wins -- except that an engine
         lookup span's measured facts (`ENGINE_FACTS`) beat everyone's; an explicit lookup
-        time beats one derived from queue time."""
-        out = SpanFacts()
-        for fragment in self._request_spans_first():
-            for field in fragment.facts.__struct_fields__:
-                value = getattr(fragment.facts, field)
-                if value is not None and getattr(out, field) is None and field != "transfer":
-                    setattr(out, field, value)
-        for fragment in self.fragments:
+        time beats one derived from queue time. (Never the transfer, which `transfers`
+        collects, nor ``engine_lookup``.)"""
+        return SpanFacts(**self.merged_fields())
+
+    def merged_fields(self) -> dict[str, Any]:
+        """`merged` as a dict of its non-None fields (a new dict)."""
+        fragments = self.fragments
+        if len(fragments) == 1:  # its own values win every rule
+            fragment = fragments[0]
+            found = dict(fragment.set_fields())
+            found.pop("transfer", None)
+            if "instance" not in found and fragment.instance:
+                found["instance"] = fragment.instance
+            return found
+        engine = None
+        for fragment in fragments:
             if fragment.facts.engine_lookup:
-                for field in ENGINE_FACTS:
-                    value = getattr(fragment.facts, field)
-                    if value is not None:
-                        setattr(out, field, value)
+                engine = fragment
                 break
+        found = {}
+        for fragment in reversed(fragments if engine is None else self._request_spans_first()):
+            found.update(fragment.set_fields())  # the first fragment's values update last
+        found.pop("transfer", None)
+        if engine is not None:
+            fields = engine.set_fields()
+            for field in ENGINE_FACTS:
+                if field in fields:
+                    found[field] = fields[field]
         # The engine's chain stops at its own first miss; a router's cached count may reach
         # further (tokens loaded from elsewhere): then the longer chain is the usable one.
-        for fragment in self.fragments:
+        longest = found.get("block_hashes")
+        for fragment in fragments:
             chain = fragment.facts.block_hashes
-            if chain is not None and len(chain) > len(out.block_hashes or ()):
-                out.block_hashes = chain
-        if out.instance is None:
-            out.instance = next((f.instance for f in self.fragments if f.instance), None)
-        return out
+            if chain is not None and len(chain) > len(longest or ()):
+                found["block_hashes"] = longest = chain
+        if "instance" not in found:
+            for fragment in fragments:
+                if fragment.instance:
+                    found["instance"] = fragment.instance
+                    break
+        return found
 
     def _request_spans_first(self) -> list[Fragment]:
         fragments = self.fragments
-        if not any(f.facts.engine_lookup for f in fragments):
-            return fragments
-        return sorted(fragments, key=lambda f: f.facts.engine_lookup)  # stable
+        for fragment in fragments:
+            if fragment.facts.engine_lookup:
+                return sorted(fragments, key=lambda f: f.facts.engine_lookup)  # stable
+        return fragments
 
     def awaits_request_span(self) -> bool:
         """Only engine lookup spans so far (plus maybe spans without a request id): the
@@ -100,24 +132,38 @@ class Assembly:
         return lookup
 
     def request_ids(self) -> set[str]:
-        ids = {f.facts.request_id for f in self.fragments if f.facts.request_id is not None}
+        ids = set()
+        for fragment in self.fragments:
+            request_id = fragment.facts.request_id
+            if request_id is not None:
+                ids.add(request_id)
         if self.request_id is not None:
             ids.add(self.request_id)
         return ids
 
     def transfers(self) -> tuple:
-        return tuple(f.facts.transfer for f in self.fragments if f.facts.transfer is not None)
+        found = []
+        for fragment in self.fragments:
+            transfer = fragment.facts.transfer
+            if transfer is not None:
+                found.append(transfer)
+        return tuple(found)
 
     def outcome_fragment(self) -> Fragment:
         """The span that carries the request's cache outcome gets the verdict: the one with
         cached tokens, else the one with prompt tokens, else the first (a request's own
         spans before engine lookup spans)."""
-        for wanted in ("cached_tokens", "prompt_tokens"):
-            for fragment in self._request_spans_first():
-                if getattr(fragment.facts, wanted) is not None:
-                    return fragment
+        ordered = self._request_spans_first()
+        for fragment in ordered:
+            if fragment.facts.cached_tokens is not None:
+                return fragment
+        for fragment in ordered:
+            if fragment.facts.prompt_tokens is not None:
+                return fragment
         return self.fragments[0]
 
+
+_FIELDS = SpanFacts.__struct_fields__
 
 # Measured by the engine at the lookup itself: an engine lookup span's value wins.
 ENGINE_FACTS = ("lookup_time", "block_hashes", "block_size", "resource_worker")
@@ -135,6 +181,8 @@ def join_target(assembly: Assembly, trace: dict[str | None, Assembly]) -> Assemb
     trace has none, its only waiting engine lookup); an engine lookup with no request span
     joins the request whose id its engine id equals or extends, else the trace's only request
     when the trace holds one request and this one lookup."""
+    if assembly.request_id is not None and not assembly.awaits_request_span():
+        return None  # a request's own spans: they are the target
     others = [a for key, a in trace.items() if key is not None and not a.done and a is not assembly]
     requests = [a for a in others if not a.awaits_request_span()]
     if assembly.request_id is None:
@@ -142,8 +190,6 @@ def join_target(assembly: Assembly, trace: dict[str | None, Assembly]) -> Assemb
             return requests[0]
         lookups = [a for a in others if a.awaits_request_span()]
         return lookups[0] if not requests and len(lookups) == 1 else None
-    if not assembly.awaits_request_span():
-        return None
     related = [a for a in requests if any(ids_related(assembly.request_id, i) for i in a.request_ids())]
     if related:
         return max(related, key=lambda a: len(a.request_id or ""))
@@ -162,29 +208,41 @@ class JudgedRequests:
 
     def __init__(self, max_traces: int = 20_000):
         self.max_traces = max_traces
-        self._by_trace: collections.OrderedDict[bytes, set[str]] = collections.OrderedDict()
+        # trace id -> its judged ids: a str (one, the common case) or a tuple of them. Not
+        # sets: this holds up to max_traces entries for a long time, and a str or a tuple
+        # of str is no work for the cyclic GC (a set is traversed by every full collection,
+        # and thousands of new ones trigger full collections).
+        self._by_trace: collections.OrderedDict[bytes, str | tuple[str, ...]] = collections.OrderedDict()
 
     def add(self, assembly: Assembly) -> None:
         ids = assembly.request_ids()
         if not ids:
             return
-        known = self._by_trace.get(assembly.trace_id)
+        trace_id = assembly.trace_id
+        known = self._by_trace.get(trace_id)
         if known is None:
-            self._by_trace[assembly.trace_id] = ids
+            self._by_trace[trace_id] = next(iter(ids)) if len(ids) == 1 else tuple(sorted(ids))
             if len(self._by_trace) > self.max_traces:
                 self._by_trace.popitem(last=False)
         else:
-            known |= ids
+            self._by_trace[trace_id] = tuple(sorted(_ids(known) | ids))
 
     def judged_partner(self, assembly: Assembly) -> bool:
         known = self._by_trace.get(assembly.trace_id)
+        if not known:
+            return False
+        known = _ids(known)
         mine = assembly.request_ids()
-        if not known or not mine or mine & known:
+        if not mine or mine & known:
             return False
         return any(ids_related(a, b) or ids_related(b, a) for a in mine for b in known)
 
     def __len__(self) -> int:
         return len(self._by_trace)
+
+
+def _ids(known: str | tuple[str, ...]) -> set[str]:
+    return {known} if type(known) is str else set(known)
 
 
 class MissingFacts(msgspec.Struct, frozen=True):
@@ -204,45 +262,47 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
     """The `RequestFacts` of an assembly, or what is still missing. Problems that make a
     fact unusable (bad extra-key JSON, unhashable tokens) are appended to ``errors`` by
     name only: they may concern prompt material."""
-    m = assembly.merged()
-    missing = tuple(name for name, value in (
-        ("prompt_tokens", m.prompt_tokens), ("cached_tokens", m.cached_tokens),
-    ) if value is None)
-    if missing:
-        return MissingFacts(missing)
-    block_size = m.block_size or default_block_size
-    kinds = tuple(m.extra_key_kinds or ())
-    chain = m.block_hashes
-    spec = _extra_keys(m, errors)
+    m = assembly.merged_fields()
+    prompt_tokens, cached_tokens = m.get("prompt_tokens"), m.get("cached_tokens")
+    if prompt_tokens is None or cached_tokens is None:
+        return MissingFacts(tuple(name for name, value in (
+            ("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens)) if value is None))
+    block_size = m.get("block_size") or default_block_size
+    kinds = tuple(m.get("extra_key_kinds") or ())
+    chain = m.get("block_hashes")
+    token_ids = m.get("token_ids")
+    spec = _extra_keys(m.get("extra_keys"), errors)
     if spec is not None:
         kinds = kinds or spec.kinds()
-    if chain is None and m.token_ids is not None and hasher is not None and "kvmiss.extra_keys" not in errors:
-        chain = _hash_tokens(m.token_ids, spec, hasher, errors)
-    lookup_time = m.lookup_time if m.lookup_time is not None else m.queue_lookup_time
+    if chain is None and token_ids is not None and hasher is not None and "kvmiss.extra_keys" not in errors:
+        chain = _hash_tokens(token_ids, spec, hasher, errors)
+    lookup_time = m.get("lookup_time")
+    if lookup_time is None:
+        lookup_time = m.get("queue_lookup_time")
     return RequestFacts(
-        request_id=assembly.request_id or m.request_id,
-        prompt_tokens=m.prompt_tokens,  # type: ignore[arg-type]
-        cached_tokens=m.cached_tokens,  # type: ignore[arg-type]
+        request_id=assembly.request_id or m.get("request_id"),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
         block_size=block_size,
-        worker=m.worker or m.resource_worker,
-        dp_rank=m.dp_rank,
+        worker=m.get("worker") or m.get("resource_worker"),
+        dp_rank=m.get("dp_rank"),
         lookup_time=lookup_time,
         block_hashes=chain,
         extra_key_kinds=kinds,
         transfers=assembly.transfers(),
-        instance_hint=m.instance,
-        route_policy=m.route_policy,
-        predicted_cached_tokens=m.predicted_cached_tokens,
-        token_ids=m.token_ids,
+        instance_hint=m.get("instance"),
+        route_policy=m.get("route_policy"),
+        predicted_cached_tokens=m.get("predicted_cached_tokens"),
+        token_ids=token_ids,
         extra_keys=spec,
     )
 
 
-def _extra_keys(m: SpanFacts, errors: list[str]) -> ExtraKeysSpec | None:
-    if m.extra_keys is None:
+def _extra_keys(text: str | None, errors: list[str]) -> ExtraKeysSpec | None:
+    if text is None:
         return None
     try:
-        return _extra_keys_decoder.decode(m.extra_keys)
+        return _extra_keys_decoder.decode(text)
     except (msgspec.ValidationError, msgspec.DecodeError):
         errors.append("kvmiss.extra_keys")
         return None

@@ -19,17 +19,19 @@ answers RETRYABLE with a retry delay instead of buffering without bound.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 from typing import Any, Callable, Iterable, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher.assembly import (Assembly, Fragment, JudgedRequests, MissingFacts, incomplete_verdict,
-                                     join_target, to_request_facts)
+from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, JudgedRequests, MissingFacts,
+                                     incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import (SpanReader, strip_raw_inputs, upsert_attributes,
+from kvmiss.enricher.spans import (Marks, SpanFacts, SpanReader, strip_marked, upsert_attributes, upsert_marked,
                                   verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
@@ -53,7 +55,7 @@ class PendingBatch:
         self.request = request
         self.spans = spans
         self.waiting = 0
-        self.carriers: list[Any] = []  # spans with input attributes: the only ones raw inputs can be on
+        self.carriers: list[Fragment] = []  # spans with raw inputs, as fragments (with their marks)
 
 
 WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
@@ -63,16 +65,21 @@ class WaitHistogram:
     """Cumulative histogram of history waits: a fixed size whether or not anyone scrapes."""
 
     def __init__(self) -> None:
-        self.counts = [0] * len(WAIT_BUCKETS)
+        self._per_bucket = [0] * len(WAIT_BUCKETS)  # the smallest bucket each value fits
         self.total = 0
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
         self.total += 1
         self.sum += value
-        for i, bound in enumerate(WAIT_BUCKETS):
-            if value <= bound:
-                self.counts[i] += 1
+        i = bisect.bisect_left(WAIT_BUCKETS, value)  # the first bound >= value
+        if i < len(WAIT_BUCKETS) and value == value:  # (NaN fits no bucket)
+            self._per_bucket[i] += 1
+
+    @property
+    def counts(self) -> list[int]:
+        """Per bucket, how many values were <= its bound (Prometheus' cumulative buckets)."""
+        return list(itertools.accumulate(self._per_bucket))
 
 
 class PipelineStats:
@@ -119,7 +126,6 @@ class Pipeline:
         self.max_pending_spans = max_pending_spans
         self.keep_block_hashes = keep_block_hashes
         self.drop = self.reader.raw_names(keep_block_hashes=keep_block_hashes)
-        self._raw_outside_inputs = not all(self.reader.is_input(name) for name in self.drop)
         self.on_verdict = on_verdict
         self.clock = clock
         self.judge_on_arrival = judge_on_arrival
@@ -147,13 +153,23 @@ class Pipeline:
         batch = PendingBatch(request, spans)
         now = self.clock()
         touched: dict[bytes, None] = {}  # trace ids this request fed, in arrival order
+        reader = self.reader
+        scan = reader.scanner(self.drop)  # one pass per span: facts + where raw inputs are
+        bad: list[str] = []
         for resource_spans in request.resource_spans:
-            instance = self.reader.instance_of(resource_spans.resource.attributes)
-            worker = self.reader.worker_of(resource_spans.resource.attributes)
+            instance = reader.instance_of(resource_spans.resource.attributes)
+            worker = reader.worker_of(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    if self._take(span, batch, instance, now, worker):
-                        touched[span.trace_id] = None
+                for span in scope_spans.spans[:]:  # a slice: see `SpanReader.scanner`
+                    found = scan(span, bad, worker)
+                    if bad:
+                        for name in bad:
+                            self.stats.bad_attributes[name] += 1
+                        bad.clear()
+                    if found is not None:
+                        trace_id = self._take(span, found, batch, instance, now)
+                        if trace_id is not None:
+                            touched[trace_id] = None
         self.pending_spans += spans
         if batch.waiting == 0:
             self._release(batch)
@@ -170,25 +186,31 @@ class Pipeline:
                 if not assembly.done:
                     self._assess(assembly, now, final=False)
 
-    def _take(self, span: Any, batch: PendingBatch, instance: str | None, now: float,
-              worker: str | None = None) -> bool:
-        """Hold ``span`` as a fragment of its request; False when it carries no facts."""
-        bad: list[str] = []
-        facts = self.reader.read(span, bad, resource_worker=worker)
-        for name in bad:
-            self.stats.bad_attributes[name] += 1
-        if facts is not None or bad:
-            batch.carriers.append(span)
+    def _take(self, span: Any, found: tuple[SpanFacts | None, dict[str, Any] | None, Marks | None],
+              batch: PendingBatch, instance: str | None, now: float) -> bytes | None:
+        """Hold ``span`` as a fragment of its request (``found``: what the scanner found on
+        it); its trace id, or None when it carries no facts. A span with raw inputs is kept
+        with their marks, to be stripped on release."""
+        facts, fields, marks = found
         if facts is None:
-            return False
-        trace = self._traces.setdefault(span.trace_id, {})
-        assembly = trace.get(facts.request_id)
+            if marks is not None and marks.raw:
+                batch.carriers.append(Fragment(None, span, batch, instance, marks))  # type: ignore[arg-type]
+            return None
+        fragment = Fragment(facts, span, batch, instance, marks, fields)
+        if marks is not None and marks.raw:
+            batch.carriers.append(fragment)
+        trace_id = span.trace_id
+        trace = self._traces.get(trace_id)
+        if trace is None:
+            trace = self._traces[trace_id] = {}
+        request_id = facts.request_id
+        assembly = trace.get(request_id)
         if assembly is None or assembly.done:
-            assembly = trace[facts.request_id] = Assembly(span.trace_id, facts.request_id, now)
+            assembly = trace[request_id] = Assembly(trace_id, request_id, now)
             self._open.append(assembly)
-        assembly.fragments.append(Fragment(facts, span, batch, instance))
+        assembly.fragments.append(fragment)
         batch.waiting += 1
-        return True
+        return trace_id
 
     # --- judging -----------------------------------------------------------------------------
 
@@ -291,8 +313,7 @@ class Pipeline:
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
         verdict = self.attributor.attribute(facts)
-        outcome = assembly.outcome_fragment()
-        upsert_attributes(outcome.span, verdict_attributes(verdict, facts.lookup_time))
+        self._write(assembly.outcome_fragment(), verdict_attributes(verdict, facts.lookup_time))
         key = self.metric_key(facts, verdict)
         self.stats.verdicts[key] += 1
         self.stats.missed_tokens[key] += verdict.missed_tokens
@@ -320,7 +341,7 @@ class Pipeline:
     def _give_up(self, assembly: Assembly, missing: MissingFacts) -> None:
         """Facts never completed: the outcome span still goes out, labelled with the honest
         unknown and what was missing."""
-        upsert_attributes(assembly.outcome_fragment().span, verdict_attributes(incomplete_verdict(missing)))
+        self._write(assembly.outcome_fragment(), verdict_attributes(incomplete_verdict(missing)))
         self.stats.unenriched["facts_incomplete"] += 1
         self._finish(assembly)
 
@@ -336,18 +357,24 @@ class Pipeline:
             if fragment.batch.waiting == 0:
                 self._release(fragment.batch)
 
+    def _write(self, fragment: Fragment, values: dict[str, Any]) -> None:
+        """Upsert ``values`` on the fragment's span and strip its raw inputs now (its facts
+        are read), from its marks; a span written before is rescanned."""
+        if fragment.marks is WRITTEN:
+            upsert_attributes(fragment.span, values, drop=self.drop)
+        else:
+            upsert_marked(fragment.span, values, fragment.marks, self.drop)
+            fragment.marks = WRITTEN
+
     def _release(self, batch: PendingBatch) -> None:
-        if self._raw_outside_inputs:  # a raw input name is not read: look at every span
-            spans: Iterable[Any] = (span for resource_spans in batch.request.resource_spans
-                                    for scope_spans in resource_spans.scope_spans for span in scope_spans.spans)
-        else:  # every raw input name is an input: only spans with input attributes can carry one
-            spans = batch.carriers
-        for span in spans:
-            strip_raw_inputs(span, self.drop)
+        drop = self.drop
+        for fragment in batch.carriers:  # every span with a raw input, marked by `_take`
+            if fragment.marks is not WRITTEN:  # (a written span was stripped then)
+                strip_marked(fragment.span, fragment.marks, drop)
+        batch.carriers.clear()  # fragments point back at the batch: no cycle left for the GC
         self.pending_spans -= batch.spans
         if self.sink.put(batch.request):
             self.stats.spans_out += batch.spans
         else:
             self.stats.unenriched["export_refused"] += batch.spans
             log.warning("export queue refused %d spans", batch.spans)
-

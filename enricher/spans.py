@@ -13,9 +13,13 @@ exporter, enricher/inprocess.py): both unwrap values to Python and share one set
 
 from __future__ import annotations
 
+import operator
+import struct
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as _SpanType
 
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import TransferAttempt, TransferResult, Verdict
@@ -98,8 +102,8 @@ def _str(value: Any) -> str | None:
 
 
 class _Ints(list):
-    """An unwrapped OTLP array whose elements were all non-zero ``int_value``s: `_int_list`
-    need not look at them one by one."""
+    """An unwrapped OTLP array whose elements were all ``int_value``s (int64 by construction):
+    `_int_list` need not look at them one by one."""
 
 
 def _int_list(value: Any) -> list[int] | None:
@@ -146,20 +150,81 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
 }
 
 _UNUSABLE = object()  # kvlist / bytes / empty values: no converter accepts it
+_KEY = operator.attrgetter("key")
+
+
+# Int arrays (block-hash chains, token ids) are decoded in C: the ``ArrayValue`` is serialized
+# once and parsed back as a *shadow* message whose singular ``values`` field makes upb merge
+# every element into one message, appending each element's ``int_value`` (field 3) to one
+# repeated int field -- a list in one slice instead of a Python-level access per element.
+# Elements of another kind (string, bool, empty...) leave no int behind, so the count tells
+# whether every element was an int; otherwise the per-element rule (`_unwrap_items`) applies.
+# The uint64 twin reads the two's-complement uint64 of each int64 directly (block hashes).
+def _shadow_classes() -> tuple[type, type]:
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="kvmiss/_shadow_int_arrays.proto",
+                                              package="kvmiss.shadow", syntax="proto3")
+    for suffix, kind in (("I64", F.TYPE_INT64), ("U64", F.TYPE_UINT64)):
+        ints = file.message_type.add(name=f"Ints{suffix}")  # AnyValue: int_value = 3
+        ints.field.add(name="int_value", number=3, type=kind, label=F.LABEL_REPEATED)
+        array = file.message_type.add(name=f"Array{suffix}")  # ArrayValue: values = 1
+        array.field.add(name="values", number=1, type=F.TYPE_MESSAGE, label=F.LABEL_OPTIONAL,
+                        type_name=f".kvmiss.shadow.Ints{suffix}")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"kvmiss.shadow.Array{s}"))
+                 for s in ("I64", "U64"))  # type: ignore[return-value]
+
+
+_ArrayI64, _ArrayU64 = _shadow_classes()
+
+
+def _int_array(value: Any, shadow: type) -> list[int] | None:
+    """The ``int_value`` of every element of ``value``'s array, decoded in C (int64 or uint64
+    per ``shadow``); None unless ``value`` is a non-empty array of ints only."""
+    array = value.array_value  # an empty default when value is not an array
+    count = len(array.values)
+    if not count:
+        return None
+    ints = shadow.FromString(array.SerializeToString()).values.int_value[:]
+    return ints if len(ints) == count else None
+
+
+def _unwrap_items(items: Any) -> list[Any]:
+    return [_unwrap(item) for item in items]
 
 
 def _unwrap(value: Any) -> Any:
     """An OTLP ``AnyValue`` as the Python value the SDK would hold for it."""
     kind = value.WhichOneof("value")
     if kind == "array_value":
-        # Fast path for int arrays (block chains; ~3x faster per element): an element of
-        # another kind reads as int_value 0, so without a 0 every element is an int.
-        items = value.array_value.values
-        ints = _Ints([item.int_value for item in items])
-        return ints if 0 not in ints else [_unwrap(item) for item in items]
+        ints = _int_array(value, _ArrayI64)
+        return _Ints(ints) if ints is not None else _unwrap_items(value.array_value.values)
     if kind in ("string_value", "int_value", "double_value", "bool_value"):
         return getattr(value, kind)
     return _UNUSABLE
+
+
+# How the OTLP reader takes each fact's value: the typed accessor the fact expects, tried
+# first (a oneof member reads as its default unless set, so a non-default value proves the
+# kind), else the generic `_unwrap` + converter. Same results as the generic rule alone.
+_STR, _INT, _FLOAT, _HASHES, _INTS, _OTHER = range(6)
+_ACCESS = {_str: _STR, _int: _INT, _float: _FLOAT, _hash_list: _HASHES, _int_list: _INTS}
+
+# What a scanned attribute is besides (maybe) an input: raw prompt material to strip, or an
+# output kvmiss writes (upserted). Spans are marked with the positions of both.
+_MARK_RAW, _MARK_OUTPUT = 1, 2
+_OUTPUT_NAMES = frozenset(names.OUTPUTS)
+_MISSING = object()
+
+
+class Marks(msgspec.Struct):
+    """Where a scanned span's raw inputs and output-named attributes are: (position, name)
+    pairs in attribute order, the span's attribute count then, and how many are raw."""
+
+    at: list[tuple[int, str]]
+    count: int
+    raw: int
 
 
 class SpanReader:
@@ -176,6 +241,8 @@ class SpanReader:
                 self._lookup.setdefault(attr, (fact, rank))
         self._instance_names = list(inputs.instance)
         self._worker_names = list(inputs.resource_worker)
+        # drop set -> `scanner` (built on first use; a benign race at worst builds twice)
+        self._scanners: dict[frozenset[str], Callable[..., Any]] = {}
 
     def raw_names(self, *, keep_block_hashes: bool = False) -> frozenset[str]:
         """Every attribute never exported: prompt material (token ids, extra keys) under the
@@ -219,12 +286,102 @@ class SpanReader:
         """The facts on OTLP ``span``, or None when it carries none. Names of attributes with
         an unusable value are appended to ``bad`` (names only: values may be prompt material).
         ``resource_worker``: `worker_of` the span's resource."""
-        lookup = self._lookup
-        hits = [(kv.key, kv.value) for kv in span.attributes if kv.key in lookup]
-        if not hits:
-            return None
-        return self._facts([(key, _unwrap(value)) for key, value in hits],
-                           span.start_time_unix_nano, bad, span.name, resource_worker)
+        found = self.scanner()(span, bad, resource_worker)
+        return None if found is None else found[0]
+
+    def scan(self, span: Any, bad: list[str] | None = None, *, resource_worker: str | None = None,
+             drop: frozenset[str] = frozenset()) -> tuple[SpanFacts | None, Marks | None]:
+        """`read`, and from the same single pass over the attributes the `Marks` of every
+        attribute named in ``drop`` (`raw_names`) or an output name (SPANS.md), so that
+        stripping and upserting need not scan the span again (`strip_marked`,
+        `upsert_marked`); None when there is none."""
+        found = self.scanner(drop)(span, bad, resource_worker)
+        return (None, None) if found is None else (found[0], found[2])
+
+    def scanner(self, drop: frozenset[str] = frozenset()) -> Callable[
+            [Any, list[str] | None, str | None], tuple[SpanFacts | None, dict[str, Any] | None, Marks | None] | None]:
+        """`scan` as a function of (span, bad, resource_worker), for a loop over many spans:
+        None for a span with no attribute of interest (most spans, found without a Python
+        loop over the attributes), else (facts, the facts' non-None fields as a dict --
+        `SpanFacts` field -> value, ``engine_lookup`` left out --, marks)."""
+        scan = self._scanners.get(drop)
+        if scan is None:
+            scan = self._scanners[drop] = self._make_scanner(drop)
+        return scan
+
+    def _make_scanner(self, drop: frozenset[str]) -> Callable[..., Any]:
+        # attribute name -> (fact or None, rank, how its value is taken, mark flags)
+        table: dict[str, tuple[str | None, int, int, int]] = {}
+        for attr in self._lookup.keys() | drop | _OUTPUT_NAMES:
+            fact, rank = self._lookup.get(attr, (None, 0))
+            access = _ACCESS.get(_CONVERTERS[fact], _OTHER) if fact is not None else _OTHER
+            mark = (_MARK_RAW if attr in drop else 0) | (_MARK_OUTPUT if attr in _OUTPUT_NAMES else 0)
+            table[attr] = (fact, rank, access, mark)
+        wanted = frozenset(table)
+        get = table.get
+        build = _build
+
+        def scan(span: Any, bad: list[str] | None, resource_worker: str | None) -> Any:
+            # A slice, not iteration: the container has no iterator of its own, and the
+            # sequence protocol's fallback ends every span on a formatted IndexError.
+            attributes = span.attributes[:]
+            keys = list(map(_KEY, attributes))  # a C loop: most spans end at the next line
+            if wanted.isdisjoint(keys):
+                return None
+            values: dict[str, Any] = {}
+            ranks: dict[str, int] | None = None  # only ranks > 0: a fact's first name is rank 0
+            marks: list[tuple[int, str]] | None = None
+            raw = 0
+            for i, key in enumerate(keys):
+                entry = get(key)
+                if entry is None:
+                    continue
+                fact, rank, access, mark = entry
+                if mark:
+                    if marks is None:
+                        marks = [(i, key)]
+                    else:
+                        marks.append((i, key))
+                    if mark & _MARK_RAW:
+                        raw += 1
+                    if fact is None:
+                        continue
+                if fact in values and (ranks.get(fact, 0) if ranks else 0) <= rank:
+                    continue
+                value = attributes[i].value
+                if access == _STR:
+                    converted = value.string_value or _str(_unwrap(value))
+                elif access == _INT:
+                    converted = value.int_value or _int(_unwrap(value))
+                elif access == _HASHES:
+                    converted = _int_array(value, _ArrayU64)
+                    if converted is None:
+                        converted = _hash_list(_unwrap(value))
+                elif access == _FLOAT:
+                    converted = value.double_value or _float(_unwrap(value))
+                elif access == _INTS:
+                    converted = _int_array(value, _ArrayI64)
+                    if converted is None:
+                        converted = _int_list(_unwrap(value))
+                else:
+                    converted = _CONVERTERS[fact](_unwrap(value))  # type: ignore[index]
+                if converted is None:
+                    if bad is not None:
+                        bad.append(key)
+                    continue
+                values[fact] = converted  # type: ignore[index]
+                if rank:
+                    if ranks is None:
+                        ranks = {}
+                    ranks[fact] = rank  # type: ignore[index]
+                elif ranks:
+                    ranks.pop(fact, None)  # type: ignore[arg-type]
+            found = None if marks is None else Marks(marks, len(keys), raw)
+            if not values:
+                return None if found is None else (None, None, found)
+            return (*build(values, span, resource_worker), found)
+
+        return scan
 
     def read_attributes(self, attributes: Mapping[str, Any], start_time_unix_nano: int | None,
                         bad: list[str] | None = None, *, name: str = "",
@@ -267,6 +424,23 @@ class SpanReader:
         return facts
 
 
+def _build(values: dict[str, Any], span: Any, resource_worker: str | None) -> tuple[SpanFacts, dict[str, Any]]:
+    """`SpanFacts` from converted values by fact name (`_CONVERTERS`' keys) of OTLP ``span``,
+    and its non-None fields (``values``, renamed in place)."""
+    if "lookup_time_unix_nano" in values:
+        values["lookup_time"] = values.pop("lookup_time_unix_nano") / 1e9
+    if "time_in_queue_s" in values:
+        values["queue_lookup_time"] = span.start_time_unix_nano / 1e9 + values.pop("time_in_queue_s")
+    if "transfer_source" in values or "transfer_result" in values:
+        source = values.pop("transfer_source", None)
+        result = values.pop("transfer_result", _MISSING)
+        if result is not _MISSING:
+            values["transfer"] = TransferAttempt(result, source)
+    if resource_worker is not None:
+        values["resource_worker"] = resource_worker
+    return SpanFacts(**values, engine_lookup=span.name == names.PREFIX_LOOKUP_SPAN), values
+
+
 def _set(kv: Any, value: Any) -> None:
     if isinstance(value, bool):
         kv.value.bool_value = value
@@ -284,34 +458,40 @@ def _set(kv: Any, value: Any) -> None:
 
 def verdict_attributes(verdict: Verdict, lookup_time: float | None = None) -> dict[str, Any]:
     """The output attributes for one verdict (SPANS.md), None-valued ones left out."""
+    # ``_value_`` is what an enum member's ``value`` property returns, without the property.
     out: dict[str, Any] = {
-        names.LABEL: verdict.label.value,
-        names.OWNER: verdict.owner.value,
+        names.LABEL: verdict.label._value_,
+        names.OWNER: verdict.owner._value_,
         names.REASON: verdict.reason,
     }
     if verdict.history is not None:
-        out[names.HISTORY] = verdict.history.value
+        out[names.HISTORY] = verdict.history._value_
     if verdict.first_miss_block is not None:
         out[names.FIRST_MISS_BLOCK] = verdict.first_miss_block
         out[names.MISSED_TOKENS] = verdict.missed_tokens
         out[names.HOLDERS] = verdict.holders
-    optional = {
-        names.FIRST_MISS_DIGEST: verdict.first_miss_digest,
-        names.EVICTION_AGE_MS: verdict.eviction_age_ms,
-        names.EPOCH: verdict.epoch,
-        names.STORED_SEQ: verdict.stored_seq,
-        names.REMOVED_SEQ: verdict.removed_seq,
-        names.GAP_FROM_SEQ: verdict.gap_from_seq,
-        names.GAP_TO_SEQ: verdict.gap_to_seq,
-        names.WINDOW_START: verdict.window_start.value if verdict.window_start else None,
-    }
-    out.update({k: v for k, v in optional.items() if v is not None})
+    if verdict.first_miss_digest is not None:
+        out[names.FIRST_MISS_DIGEST] = verdict.first_miss_digest
+    if verdict.eviction_age_ms is not None:
+        out[names.EVICTION_AGE_MS] = verdict.eviction_age_ms
+    if verdict.epoch is not None:
+        out[names.EPOCH] = verdict.epoch
+    if verdict.stored_seq is not None:
+        out[names.STORED_SEQ] = verdict.stored_seq
+    if verdict.removed_seq is not None:
+        out[names.REMOVED_SEQ] = verdict.removed_seq
+    if verdict.gap_from_seq is not None:
+        out[names.GAP_FROM_SEQ] = verdict.gap_from_seq
+    if verdict.gap_to_seq is not None:
+        out[names.GAP_TO_SEQ] = verdict.gap_to_seq
+    if verdict.window_start:
+        out[names.WINDOW_START] = verdict.window_start._value_
     if verdict.extra_key_kinds:
         out[names.EXTRA_KEY_KINDS] = list(verdict.extra_key_kinds)
     if verdict.window_start_ts is not None and lookup_time is not None:
         out[names.WINDOW_SECONDS] = round(lookup_time - verdict.window_start_ts, 3)
     if verdict.divergence is not None:
-        out[names.DIVERGENCE_KIND] = verdict.divergence.kind.value
+        out[names.DIVERGENCE_KIND] = verdict.divergence.kind._value_
         if verdict.divergence.first_token_index is not None:
             out[names.DIVERGENCE_TOKEN] = verdict.divergence.first_token_index
     return out
@@ -323,10 +503,7 @@ def upsert_attributes(span: Any, values: dict[str, Any], *, drop: Iterable[str] 
     remove = set(values) | set(drop)
     attributes = span.attributes
     _delete(attributes, [i for i, kv in enumerate(attributes) if kv.key in remove])
-    for key, value in values.items():
-        kv = attributes.add()
-        kv.key = key
-        _set(kv, value)
+    _append(span, values)
 
 
 def _delete(attributes: Any, indexes: list[int]) -> None:
@@ -340,3 +517,185 @@ def strip_raw_inputs(span: Any, drop: frozenset[str]) -> None:
     """Remove the attributes in ``drop`` (`SpanReader.raw_names`) from a span before export."""
     attributes = span.attributes
     _delete(attributes, [i for i, kv in enumerate(attributes) if kv.key in drop])
+
+
+# --- the same, for a span `SpanReader.scan` has marked -------------------------------------------
+
+
+def _strip(span: Any, marks: Marks, drop: frozenset[str]) -> bool:
+    """Delete the marked attributes named in ``drop``, if the span is still as scanned
+    (attribute count and every such name at its position); False (having deleted only
+    verified ones) if it is not."""
+    attributes = span.attributes
+    if len(attributes) != marks.count:
+        return False
+    for i, key in reversed(marks.at):  # from the end: earlier positions stay valid
+        if key in drop:
+            if attributes[i].key != key:
+                return False
+            del attributes[i]
+    return True
+
+
+def strip_marked(span: Any, marks: Marks, drop: frozenset[str]) -> None:
+    """`strip_raw_inputs` for a span scanned with ``drop`` and not changed since: deletes the
+    marked positions without looking at the other attributes. Should the span have changed
+    after all (count or a marked name differs), scans it like `strip_raw_inputs`."""
+    if not _strip(span, marks, drop):
+        strip_raw_inputs(span, drop)  # only what is left of them: deleted ones were in drop
+
+
+def upsert_marked(span: Any, values: dict[str, Any], marks: Marks | None, drop: frozenset[str]) -> None:
+    """`upsert_attributes(span, values, drop=drop)` for a span scanned with ``drop`` and not
+    changed since (``marks`` as `SpanReader.scan` returned them): only the marked positions
+    are looked at. Falls back to the scanning version if the span changed after all, or
+    for a key that is not an output name (only those are marked)."""
+    if not _OUTPUT_NAMES.issuperset(values):
+        upsert_attributes(span, values, drop=drop)
+        return
+    if marks is not None:
+        attributes = span.attributes
+        if len(attributes) != marks.count:
+            upsert_attributes(span, values, drop=drop)
+            return
+        for i, key in reversed(marks.at):
+            if key in values or key in drop:
+                if attributes[i].key != key:
+                    upsert_attributes(span, values, drop=drop)  # what is left to delete
+                    return
+                del attributes[i]
+    _append(span, values)
+
+
+# Writing: the new attributes are encoded as the wire bytes of Span.attributes entries (field
+# 9) and appended with one `MergeFromString` -- a repeated field's entries are appended on
+# merge -- instead of a KeyValue + AnyValue message built through upb per attribute. The bytes
+# are what `_set` would have built; any value it would treat differently (out of int64 range,
+# not encodable as UTF-8...) falls back to `_set`, which raises what it raised before.
+_SPAN_ATTRIBUTES_TAG = b"\x4a"  # Span.attributes: field 9, length-delimited
+_VARINTS = tuple(bytes((n,)) if n < 0x80 else bytes((n & 0x7F | 0x80, n >> 7)) for n in range(1 << 14))
+_INT64_MIN, _INT64_END = -(1 << 63), 1 << 63
+_TRUE, _FALSE = b"\x10\x01", b"\x10\x00"  # AnyValue.bool_value (field 2)
+_DOUBLE = struct.Struct("<d").pack  # AnyValue.double_value (field 4), fixed64
+_key_fields: dict[str, bytes] = {}  # key -> KeyValue.key field bytes (names are few and fixed)
+_entries: dict[str, dict[str | int, bytes]] = {}  # key -> value -> Span.attributes entry bytes
+_CACHE_MAX, _CACHE_PER_KEY = 1024, 512
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf varint of 0 <= n < 2**64."""
+    if n < 0x4000:
+        return _VARINTS[n]
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _string(text: str) -> bytes:
+    """An AnyValue.string_value (field 1) or ArrayValue element payload."""
+    data = text.encode()
+    return b"\x0a" + _varint(len(data)) + data
+
+
+class _NotEncodable(Exception):
+    pass
+
+
+def _any_value(value: Any) -> bytes | None:
+    """The AnyValue bytes `_set` would build for ``value``; None for no value at all (an
+    empty list: `_set` adds no element, so the KeyValue is left without a value)."""
+    if type(value) is str:
+        return _string(value)
+    if isinstance(value, bool):
+        return _TRUE if value else _FALSE
+    if isinstance(value, int):
+        if not _INT64_MIN <= value < _INT64_END:
+            raise _NotEncodable
+        return b"\x18" + _varint(value & MASK64)
+    if isinstance(value, float):
+        return b"\x21" + _DOUBLE(value)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return None
+        items = b"".join([b"\x0a" + _varint(len(item)) + item for item in map(_string, map(str, value))])
+        return b"\x2a" + _varint(len(items)) + items
+    return _string(str(value))
+
+
+def encode_attributes(values: dict[str, Any]) -> bytes:
+    """``values`` as Span.attributes wire bytes (raises `_NotEncodable` or an encoding error
+    where `_set` would not build the same message). Whole entries of str and int values are
+    cached per key (a bounded dict each): labels, owners, reasons, small counts repeat."""
+    parts = []
+    varints = _VARINTS
+    for key, value in values.items():
+        kind = type(value)
+        cache = None
+        if kind is str or kind is int:  # exact types only: True == 1 == 1.0 as dict keys
+            cache = _entries.get(key)
+            if cache is not None:
+                entry = cache.get(value)
+                if entry is not None:
+                    parts.append(entry)
+                    continue
+            if kind is str:
+                data = value.encode()
+                size = len(data)
+                any_value = b"\x0a" + (varints[size] if size < 0x4000 else _varint(size)) + data
+            else:
+                if not _INT64_MIN <= value < _INT64_END:
+                    raise _NotEncodable
+                any_value = b"\x18" + _varint(value & MASK64)
+        else:
+            any_value = _any_value(value)
+        field = _key_fields.get(key)
+        if field is None:
+            field = _key_field(key)
+        if any_value is not None:
+            size = len(any_value)
+            field += b"\x12" + (varints[size] if size < 0x4000 else _varint(size)) + any_value
+        size = len(field)
+        entry = _SPAN_ATTRIBUTES_TAG + (varints[size] if size < 0x4000 else _varint(size)) + field
+        if kind is str or kind is int:
+            if cache is None:
+                if len(_entries) >= _CACHE_MAX:
+                    _entries.clear()
+                cache = _entries[key] = {}
+            elif len(cache) >= _CACHE_PER_KEY:  # a key of unique values (digests): start over
+                cache.clear()
+            cache[value] = entry
+        parts.append(entry)
+    return b"".join(parts)
+
+
+def _key_field(key: str) -> bytes:
+    """The KeyValue.key field bytes of ``key`` (cached)."""
+    if type(key) is not str:
+        raise _NotEncodable
+    data = key.encode()
+    field = b"\x0a" + _varint(len(data)) + data
+    if len(_key_fields) >= _CACHE_MAX:
+        _key_fields.clear()
+    _key_fields[key] = field
+    return field
+
+
+def _append(span: Any, values: dict[str, Any]) -> None:
+    """Append ``values`` as attributes (the caller removed same-named ones)."""
+    if type(span) is _SpanType:
+        try:
+            data = encode_attributes(values)
+        except (_NotEncodable, UnicodeError):
+            pass
+        else:
+            span.MergeFromString(data)
+            return
+    attributes = span.attributes
+    for key, value in values.items():
+        kv = attributes.add()
+        kv.key = key
+        _set(kv, value)
+
