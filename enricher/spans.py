@@ -190,10 +190,6 @@ def _int_array(value: Any, shadow: type) -> list[int] | None:
     return ints if len(ints) == count else None
 
 
-def _unwrap_items(items: Any) -> list[Any]:
-    return [_unwrap(item) for item in items]
-
-
 def _unwrap(value: Any) -> Any:
     """An OTLP ``AnyValue`` as the Python value the SDK would hold for it."""
     kind = value.WhichOneof("value")
@@ -203,6 +199,21 @@ def _unwrap(value: Any) -> Any:
     if kind in ("string_value", "int_value", "double_value", "bool_value"):
         return getattr(value, kind)
     return _UNUSABLE
+
+
+def _unwrap_items(items: Any) -> list[Any]:
+    """The per-element rule. A nested array is unwrapped the same way, never by `_int_array`
+    (each level would serialize its whole subtree again; no converter takes a nested array)."""
+    out = []
+    for item in items:
+        kind = item.WhichOneof("value")
+        if kind == "array_value":
+            out.append(_unwrap_items(item.array_value.values))
+        elif kind in ("string_value", "int_value", "double_value", "bool_value"):
+            out.append(getattr(item, kind))
+        else:
+            out.append(_UNUSABLE)
+    return out
 
 
 # How the OTLP reader takes each fact's value: the typed accessor the fact expects, tried
