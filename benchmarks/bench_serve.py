@@ -60,6 +60,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchlib import free_port, percentile, process_cpu_s, start_sink
+
 SPANS_PER_BATCH = 512
 REQUESTS_PER_BATCH = SPANS_PER_BATCH // 4
 CHAIN_BLOCKS = 64
@@ -85,21 +87,10 @@ def h(*parts: int) -> int:
 RES, EVI, CHURN = 1, 2, 3  # hash families (never-stored and tail blocks are random)
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- publishers (child process) ------------------------------------------------------------
@@ -215,13 +206,8 @@ async def _sink(conn, report_port: int) -> None:
             tally["sampled"][batch] = [labels, raw_seen]
         return web.Response(body=ok, content_type="application/x-protobuf")
 
-    app = web.Application(client_max_size=256 * 1024 * 1024)
-    app.router.add_post("/v1/traces", receive)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    conn.send(("sink", runner.addresses[0][1]))
+    runner, port = await start_sink(receive)
+    conn.send(("sink", port))
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
     conn.send(("tally", tally))
     await runner.cleanup()
