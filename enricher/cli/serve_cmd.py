@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -95,6 +96,14 @@ def _check(config) -> int:
     return 0
 
 
+# The cyclic collector's thresholds for the serve process. Nearly every object kvmiss makes per
+# span is freed by reference counting; the collector's frequent young collections and the full
+# walks they cascade into (over every upb wrapper and pending assembly alive) were what set a
+# batch's p99 added latency: paced p99 36-41 ms with the defaults (700, 10, 10), 16 ms with
+# these (benchmarks/bench_serve.py, RESULTS "GC thresholds"); the soak keeps RSS flat with them.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
 async def _serve(config) -> None:
     from kvmiss.enricher.service import Service
 
@@ -123,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.check:
         return _check(config)
+    gc.set_threshold(*GC_THRESHOLDS)  # a process-wide policy: serve's own, not the library's
     try:
         asyncio.run(_serve(config))
     except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad endpoint
