@@ -98,6 +98,7 @@ class Service:
         # `ClockOffset`): -skew .. skew + publish delay.
         self.clock_bounds = (-history.clock_skew_s, history.clock_skew_s + history.publish_delay_s)
         self._skewed: set[str] = set()  # workers last seen out of bound, for the log
+        self._clocks: dict[str, ClockOffset] = {}  # worker -> its clock at the last lag seen
         self.attributor = Attributor(self.index, self.digest_key,
                                      aged_out_as_recent_match=config.history.aged_out_as_recent_match,
                                      clocks=self.worker_clock)
@@ -168,7 +169,12 @@ class Service:
         lag = stream.health.receive_lag_min_s if stream is not None else None
         if lag is None:
             return None
-        clock = ClockOffset(lag, *self.clock_bounds)
+        # Asked for every worker of every request's fleet view, while the window's minimum
+        # changes rarely: the same lag gives back the same ClockOffset, with nothing to log.
+        known = self._clocks.get(worker)
+        if known is not None and known.lag_s == lag:
+            return known
+        clock = self._clocks[worker] = ClockOffset(lag, *self.clock_bounds)
         if clock.within_bound == (worker in self._skewed):
             if clock.within_bound:
                 self._skewed.discard(worker)
