@@ -29,6 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace.export import SpanExportResult
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
+from raw_clients import read_until_closed, trickle, until
 from test_receiver import EXPORT, RecordingConsumer, sdk_spans, serving
 from test_tls import pki  # noqa: F401  (a fixture: the TLS tests' certificates)
 
@@ -82,13 +83,6 @@ def limited(clock: Clock | None = None, *, max_clients: int = 4096, **config) ->
     return Receivers(otlp, consumer, clock=clock or Clock(), max_clients=max_clients), consumer
 
 
-async def until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 # --- the limits themselves, on an injected clock --------------------------------------------
@@ -542,31 +536,8 @@ def test_the_config_keys_reach_the_receivers():
 # --- slow clients -----------------------------------------------------------------------------
 
 
-async def trickle(writer: asyncio.StreamWriter, data: bytes, every_s: float = 0.05) -> int:
-    """Send ``data`` a byte at a time until it is all out or the server hangs up; returns how
-    many bytes went out."""
-    sent = 0
-    with contextlib.suppress(ConnectionError, OSError):
-        for i in range(len(data)):
-            writer.write(data[i:i + 1])
-            await writer.drain()
-            sent += 1
-            await asyncio.sleep(every_s)
-    return sent
 
 
-async def read_until_closed(reader: asyncio.StreamReader, timeout: float = 15.0) -> bytes | None:
-    """What the server sent before closing the connection (None: still open after ``timeout``)."""
-    received = b""
-    try:
-        async with asyncio.timeout(timeout):
-            while chunk := await reader.read(65536):
-                received += chunk
-    except TimeoutError:
-        return None
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    return received
 
 
 class TestSlowClients:

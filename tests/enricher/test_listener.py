@@ -15,6 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from raw_clients import read_until_closed, trickle, until
+
 from kvmiss.enricher.listener import (
     BodyRefused,
     ConnectionBounds,
@@ -27,41 +29,10 @@ BIG = 16 * 1024 * 1024  # more than the kernel's socket buffers on both ends can
 REFUSED = web.AppKey("refused", list)  # the reasons `read_body` gave, in order
 
 
-async def until(condition, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
-async def closed_by_server(reader: asyncio.StreamReader, timeout: float = 15.0) -> bytes | None:
-    """Everything the server sent until it closed the connection, or None when it did not
-    close within ``timeout``."""
-    received = b""
-    try:
-        async with asyncio.timeout(timeout):
-            while chunk := await reader.read(65536):
-                received += chunk
-    except TimeoutError:
-        return None
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    return received
 
 
-async def trickle(writer: asyncio.StreamWriter, data: bytes, every_s: float = 0.05) -> int:
-    """Send ``data`` one byte at a time until it is all sent or the server hangs up; returns
-    how many bytes went out."""
-    sent = 0
-    with contextlib.suppress(ConnectionError, OSError):
-        for i in range(len(data)):
-            writer.write(data[i:i + 1])
-            await writer.drain()
-            sent += 1
-            await asyncio.sleep(every_s)
-    return sent
 
 
 def app() -> web.Application:
@@ -113,7 +84,7 @@ class TestHeaders:
                 reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
                 endless = b"GET /small HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 4000  # one header, never ended
                 sending = asyncio.ensure_future(trickle(writer, endless))
-                answer = await closed_by_server(reader)
+                answer = await read_until_closed(reader)
                 sent = await sending
                 writer.close()
                 freed = await until(lambda: listener.connections == 0)
@@ -132,7 +103,7 @@ class TestBody:
                 reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
                 writer.write(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
                 sending = asyncio.ensure_future(trickle(writer, b"b" * 1000))
-                answer = await closed_by_server(reader)
+                answer = await read_until_closed(reader)
                 sent = await sending
                 writer.close()
                 freed = await until(lambda: listener.connections == 0)
@@ -236,7 +207,7 @@ class TestConnectionCap:
                 held = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(2)]
                 assert await until(lambda: listener.connections == 2)
                 extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", listener.port)
-                extra = await closed_by_server(extra_reader)
+                extra = await read_until_closed(extra_reader)
                 extra_writer.close()
                 for _, writer in held:
                     writer.close()
@@ -263,17 +234,17 @@ class TestConnectionCap:
                 held = [await open_from("127.0.0.1", listener.port) for _ in range(2)]
                 assert await until(lambda: listener.connections == 2)
                 extra_reader, extra_writer = await open_from("127.0.0.1", listener.port)
-                extra = await closed_by_server(extra_reader)
+                extra = await read_until_closed(extra_reader)
                 extra_writer.close()
                 other_reader, other_writer = await open_from("127.0.0.2", listener.port)
                 other_writer.write(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                other = await closed_by_server(other_reader)
+                other = await read_until_closed(other_reader)
                 other_writer.close()
                 held[0][1].close()
                 assert await until(lambda: listener.connections == 1)
                 again_reader, again_writer = await open_from("127.0.0.1", listener.port)
                 again_writer.write(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                again = await closed_by_server(again_reader)
+                again = await read_until_closed(again_reader)
                 again_writer.close()
                 held[1][1].close()
                 emptied = await until(lambda: listener.connections == 0 and not listener._per_client)

@@ -17,6 +17,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otlp_sink import OtlpSink, attributes
+from raw_clients import read_until_closed, until
 from sglang_publisher import batch
 
 
@@ -187,27 +188,8 @@ listen = "127.0.0.1:0"
 """
 
 
-async def read_until_closed(reader: asyncio.StreamReader, timeout: float = 15.0) -> bytes | None:
-    """What the server sent before closing (None: still open after ``timeout``)."""
-    received = b""
-    try:
-        async with asyncio.timeout(timeout):
-            while chunk := await reader.read(65536):
-                received += chunk
-    except TimeoutError:
-        return None
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    return received
 
 
-async def until(condition, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 async def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
