@@ -60,7 +60,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchlib import free_port, percentile, process_cpu_s, start_sink
+from benchlib import free_port, percentile, process_cpu_s, set_attr, start_sink
 
 SPANS_PER_BATCH = 512
 REQUESTS_PER_BATCH = SPANS_PER_BATCH // 4
@@ -234,11 +234,7 @@ def build_payloads(n: int, workers: int, lookup_ts: float, seed: int) -> tuple[l
         for rs, attrs in ((router_rs, {"bench.batch": b, "service.name": "router", "service.instance.id": "router-0"}),
                           (engine_rs, {"service.name": "vllm", "service.instance.id": f"vllm-{b % workers}"})):
             for k, v in attrs.items():
-                kv = rs.resource.attributes.add(key=k)
-                if isinstance(v, int):
-                    kv.value.int_value = v
-                else:
-                    kv.value.string_value = v
+                set_attr(rs.resource.attributes, k, v)
         router, engine = router_rs.scope_spans.add(), engine_rs.scope_spans.add()
         router.scope.name, engine.scope.name = "router", "vllm.tracing"
         for i in range(REQUESTS_PER_BATCH):
@@ -283,15 +279,7 @@ def build_payloads(n: int, workers: int, lookup_ts: float, seed: int) -> tuple[l
                 span = scope.spans.add(trace_id=trace_id, span_id=span_id, parent_span_id=parent, name=name, kind=kind,
                                        start_time_unix_nano=t0 + start, end_time_unix_nano=t0 + end)
                 for k, v in attrs.items():
-                    value = span.attributes.add(key=k).value
-                    if isinstance(v, str):
-                        value.string_value = v
-                    elif isinstance(v, float):
-                        value.double_value = v
-                    elif isinstance(v, int):
-                        value.int_value = v
-                    else:
-                        value.array_value.values.extend([type(value)(int_value=x) for x in v])
+                    set_attr(span.attributes, k, v)
         body = req.SerializeToString()
         raw_total += len(body)
         payloads.append(gzip.compress(body, 6))
