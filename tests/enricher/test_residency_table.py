@@ -183,3 +183,25 @@ def test_the_batch_log_bisect_matches_the_standard_library(seqs, seq, times, t):
     assert bisect_left(log_ts, t) == bisect.bisect_left(log_ts, t)
     with pytest.raises(TypeError):
         bisect_left(array("i", [1, 2]), 1)
+
+
+def test_a_seq_past_the_tables_range_starts_a_fresh_view_instead_of_stopping_the_flow():
+    """2^40 batches past an epoch's first cannot be packed; such a seq is garbage that passed
+    continuity as a hole. The index keeps going with a fresh view (no residency carried over)."""
+    from kvmiss.enricher.index import ResidencyIndex
+    from kvmiss.schemas.events import BlockStored
+    from kvmiss.schemas.stream import AppliedBatch, RunStart
+
+    index = ResidencyIndex(["w"])
+
+    def apply(seq: int, h: int) -> None:
+        index.apply(AppliedBatch(worker="w", epoch=0, seq=seq, ts=float(len(index.views("w"))), recv_ts=0.0,
+                                 events=[BlockStored(block_hashes=[h], block_size=16)], run_start_seq=0,
+                                 run_start=RunStart.EPOCH_START))
+
+    apply(0, 11)
+    apply(2**41, 22)
+    views = index.views("w")
+    assert len(views) == 2 and views[0].first_seq == 2**41
+    assert 22 in views[0].media["GPU"] and 11 not in views[0].media["GPU"]
+    assert 11 in views[1].media["GPU"]
