@@ -405,8 +405,8 @@ def pipeline_only(args) -> None:
             return True
 
     async def consume_all(requests, pipeline):
-        for request in requests:
-            await pipeline.consume(request)
+        for request, body in zip(requests, bodies):  # with its bytes, as the receiver hands it over
+            await pipeline.consume(request, body)
         pipeline.poll()
 
     best = float("inf")

@@ -11,6 +11,7 @@ receiver (UNAVAILABLE + RetryInfo / 503 + Retry-After for retryable; INVALID_ARG
 from __future__ import annotations
 
 import enum
+import os
 from typing import Protocol
 
 import msgspec
@@ -40,8 +41,10 @@ ACCEPTED = ConsumeResult(Outcome.ACCEPTED)
 
 
 class TracesConsumer(Protocol):
-    async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
-        """Take ownership of ``request``. Must not block the event loop; returns fast."""
+    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
+        """Take ownership of ``request``. Must not block the event loop; returns fast.
+        ``body``: the protobuf bytes the receiver parsed ``request`` from, when it did and
+        changed nothing since (a consumer may read them instead of the message)."""
         ...
 
 
@@ -62,3 +65,18 @@ class TracesExporter(Protocol):
 
 def span_count(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+
+try:  # the compiled span scanner's counting walk (enricher/_spanscan.c); see enricher/spans.py
+    if os.environ.get("KVMISS_PURE_PYTHON_SCAN") == "1":
+        raise ImportError("KVMISS_PURE_PYTHON_SCAN=1")
+    from kvmiss.enricher._spanscan import count_spans as _count_spans
+except ImportError:
+    _count_spans = None
+
+
+def count_spans(body: bytes) -> tuple[int, int] | None:
+    """(spans, spans whose trace id is not 16 bytes or span id not 8) of an encoded
+    ``ExportTraceServiceRequest``, read in C from the bytes; None without the extension or
+    for an encoding it does not model (then count the parsed message)."""
+    return None if _count_spans is None else _count_spans(body)

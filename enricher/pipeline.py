@@ -31,8 +31,8 @@ from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, JudgedRequest
                                      incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import (Marks, SpanFacts, SpanReader, strip_marked, upsert_attributes, upsert_marked,
-                                  verdict_attributes)
+from kvmiss.enricher.spans import (Marks, SpanFacts, SpanReader, WireHit, WireScanner, strip_marked,
+                                  upsert_attributes, upsert_marked, verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
@@ -126,6 +126,7 @@ class Pipeline:
         self.max_pending_spans = max_pending_spans
         self.keep_block_hashes = keep_block_hashes
         self.drop = self.reader.raw_names(keep_block_hashes=keep_block_hashes)
+        self._wire = self.reader.wire_scanner(self.drop)  # None without the C extension
         self.on_verdict = on_verdict
         self.clock = clock
         self.judge_on_arrival = judge_on_arrival
@@ -140,7 +141,9 @@ class Pipeline:
 
     # --- intake ------------------------------------------------------------------------------
 
-    async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
+        """``body``: the bytes ``request`` was parsed from, unchanged since; with them the
+        spans are read by the compiled wire scanner (one C pass, `WireScanner`)."""
         spans = span_count(request)
         # Every span held here goes to the sink later: reserve room for all of them, or a
         # held batch released into a full export queue would be dropped after its 200.
@@ -153,6 +156,21 @@ class Pipeline:
         batch = PendingBatch(request, spans)
         now = self.clock()
         touched: dict[bytes, None] = {}  # trace ids this request fed, in arrival order
+        hits = None if body is None or self._wire is None else self._wire.scan(body)
+        if hits is None:
+            self._take_spans(request, batch, now, touched)
+        else:
+            self._take_hits(request, hits, batch, now, touched)
+        self.pending_spans += spans
+        if batch.waiting == 0:
+            self._release(batch)
+        elif self.judge_on_arrival:
+            self._assess_traces(touched, now)
+        return ACCEPTED
+
+    def _take_spans(self, request: ExportTraceServiceRequest, batch: PendingBatch, now: float,
+                    touched: dict[bytes, None]) -> None:
+        """Read every span of the parsed request (the reference scanner), holding those with facts."""
         reader = self.reader
         scan = reader.scanner(self.drop)  # one pass per span: facts + where raw inputs are
         bad: list[str] = []
@@ -163,19 +181,52 @@ class Pipeline:
                 for span in scope_spans.spans[:]:  # a slice: see `SpanReader.scanner`
                     found = scan(span, bad, worker)
                     if bad:
-                        for name in bad:
-                            self.stats.bad_attributes[name] += 1
-                        bad.clear()
+                        self._count_bad(bad)
                     if found is not None:
-                        trace_id = self._take(span, found, batch, instance, now)
+                        trace_id = self._take(span, found, batch, instance, now, span.trace_id)
                         if trace_id is not None:
                             touched[trace_id] = None
-        self.pending_spans += spans
-        if batch.waiting == 0:
-            self._release(batch)
-        elif self.judge_on_arrival:
-            self._assess_traces(touched, now)
-        return ACCEPTED
+
+    def _take_hits(self, request: ExportTraceServiceRequest, hits: list[WireHit], batch: PendingBatch,
+                   now: float, touched: dict[bytes, None]) -> None:
+        """`_take_spans` from the wire scanner's hits: only the spans they name are looked
+        up in the parsed request; a hit without values is read by the reference scanner."""
+        reader = self.reader
+        found_of = WireScanner.found
+        scan = None
+        bad: list[str] = []
+        at_resource = at_scope = -1
+        resources: Any = request.resource_spans
+        for hit in hits:
+            r, s, i = hit[0], hit[1], hit[2]
+            if r != at_resource:
+                resource_spans = resources[r]
+                instance = reader.instance_of(resource_spans.resource.attributes)
+                worker = reader.worker_of(resource_spans.resource.attributes)
+                scopes = resource_spans.scope_spans
+                at_resource, at_scope = r, -1
+            if s != at_scope:
+                spans = scopes[s].spans
+                at_scope = s
+            span = spans[i]
+            if hit[4] is None:  # a value the reference rules read
+                if scan is None:
+                    scan = reader.scanner(self.drop)
+                found = scan(span, bad, worker)
+                if bad:
+                    self._count_bad(bad)
+                if found is None:
+                    continue
+            else:
+                found = found_of(hit, worker)
+            trace_id = self._take(span, found, batch, instance, now, hit[3])
+            if trace_id is not None:
+                touched[trace_id] = None
+
+    def _count_bad(self, bad: list[str]) -> None:
+        for name in bad:
+            self.stats.bad_attributes[name] += 1
+        bad.clear()
 
     def _assess_traces(self, trace_ids: Iterable[bytes], now: float) -> None:
         """What `poll` would do now for these traces alone: only they changed. Their open
@@ -187,7 +238,7 @@ class Pipeline:
                     self._assess(assembly, now, final=False)
 
     def _take(self, span: Any, found: tuple[SpanFacts | None, dict[str, Any] | None, Marks | None],
-              batch: PendingBatch, instance: str | None, now: float) -> bytes | None:
+              batch: PendingBatch, instance: str | None, now: float, trace_id: bytes) -> bytes | None:
         """Hold ``span`` as a fragment of its request (``found``: what the scanner found on
         it); its trace id, or None when it carries no facts. A span with raw inputs is kept
         with their marks, to be stripped on release."""
@@ -199,7 +250,6 @@ class Pipeline:
         fragment = Fragment(facts, span, batch, instance, marks, fields)
         if marks is not None and marks.raw:
             batch.carriers.append(fragment)
-        trace_id = span.trace_id
         trace = self._traces.get(trace_id)
         if trace is None:
             trace = self._traces[trace_id] = {}

@@ -229,12 +229,12 @@ class Service:
             self.pipeline.poll(self.clock())
             await asyncio.sleep(TICK_S)
 
-    async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
         """The receivers' consumer: the pipeline, which judges on arrival, after the index has
         taken every batch the collector handed over, so a request whose history is here does
         not wait for the next tick."""
         self.feed.drain()
-        result = await self.pipeline.consume(request)
+        result = await self.pipeline.consume(request, body)
         if result.outcome is Outcome.ACCEPTED and self.journal is not None:
             # Before the answer reaches the sender, and before the spans can leave (they
             # leave at the earliest on a later tick or this call's release: both after this).

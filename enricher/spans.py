@@ -14,6 +14,7 @@ exporter, enricher/inprocess.py): both unwrap values to Python and share one set
 from __future__ import annotations
 
 import operator
+import os
 import struct
 from typing import Any, Callable, Iterable, Mapping
 
@@ -320,14 +321,26 @@ class SpanReader:
             scan = self._scanners[drop] = self._make_scanner(drop)
         return scan
 
-    def _make_scanner(self, drop: frozenset[str]) -> Callable[..., Any]:
-        # attribute name -> (fact or None, rank, how its value is taken, mark flags)
+    def _scan_table(self, drop: frozenset[str]) -> dict[str, tuple[str | None, int, int, int]]:
+        """Attribute name -> (fact or None, rank, how its value is taken, mark flags): every
+        name a scan looks at, for both scanners (`scanner`, `wire_scanner`)."""
         table: dict[str, tuple[str | None, int, int, int]] = {}
-        for attr in self._lookup.keys() | drop | _OUTPUT_NAMES:
+        for attr in sorted(self._lookup.keys() | drop | _OUTPUT_NAMES):
             fact, rank = self._lookup.get(attr, (None, 0))
             access = _ACCESS.get(_CONVERTERS[fact], _OTHER) if fact is not None else _OTHER
             mark = (_MARK_RAW if attr in drop else 0) | (_MARK_OUTPUT if attr in _OUTPUT_NAMES else 0)
             table[attr] = (fact, rank, access, mark)
+        return table
+
+    def wire_scanner(self, drop: frozenset[str] = frozenset()) -> WireScanner | None:
+        """`scanner` for a whole request's protobuf bytes, compiled (enricher/_spanscan.c);
+        None when the extension was not built (or KVMISS_PURE_PYTHON_SCAN=1)."""
+        if _Scanner is None:
+            return None
+        return WireScanner(self._scan_table(drop))
+
+    def _make_scanner(self, drop: frozenset[str]) -> Callable[..., Any]:
+        table = self._scan_table(drop)
         wanted = frozenset(table)
         get = table.get
         build = _build
@@ -390,7 +403,8 @@ class SpanReader:
             found = None if marks is None else Marks(marks, len(keys), raw)
             if not values:
                 return None if found is None else (None, None, found)
-            return (*build(values, span, resource_worker), found)
+            start = span.start_time_unix_nano if "time_in_queue_s" in values else 0
+            return (*build(values, start, span.name == names.PREFIX_LOOKUP_SPAN, resource_worker), found)
 
         return scan
 
@@ -435,13 +449,63 @@ class SpanReader:
         return facts
 
 
-def _build(values: dict[str, Any], span: Any, resource_worker: str | None) -> tuple[SpanFacts, dict[str, Any]]:
-    """`SpanFacts` from converted values by fact name (`_CONVERTERS`' keys) of OTLP ``span``,
-    and its non-None fields (``values``, renamed in place)."""
+# --- the compiled twin of `SpanReader.scanner`: a whole request's wire bytes in one C call ---------
+
+try:
+    if os.environ.get("KVMISS_PURE_PYTHON_SCAN") == "1":  # to rule the C scanner in or out
+        raise ImportError("KVMISS_PURE_PYTHON_SCAN=1")
+    from kvmiss.enricher._spanscan import Scanner as _Scanner
+except ImportError:
+    _Scanner = None
+
+WIRE_SCAN = _Scanner is not None  # whether enricher/_spanscan.c was built and is used
+_FACTS = tuple(_CONVERTERS)  # the C scanner's fact indexes -> names (its values dicts' keys)
+_FACT_INDEX = {fact: i for i, fact in enumerate(_FACTS)}
+
+# One span the wire scanner found an attribute of interest on: (resource, scope and span
+# index in the request, trace id, values by fact name -- None when the span's values need the
+# reference rules --, marks as (position, name) or None, attribute count, raw-mark count,
+# start_time_unix_nano, whether it is an engine lookup span).
+WireHit = tuple[int, int, int, bytes, "dict[str, Any] | None", "list[tuple[int, str]] | None", int, int, int, bool]
+
+
+class WireScanner:
+    """`SpanReader.scanner`'s reading of every span of an ``ExportTraceServiceRequest`` at
+    once, from the protobuf bytes the request was parsed from (enricher/_spanscan.c). The
+    same table, ranks and value rules: values of the types a fact takes directly are
+    converted in C; a span with any other value is handed back for the reference scanner
+    (its values None). `scan` answers None for encodings it does not model (repeated
+    singular sub-messages, a second oneof member, unexpected wire types), and the caller
+    reads the parsed message instead."""
+
+    __slots__ = ("scan",)
+
+    def __init__(self, table: dict[str, tuple[str | None, int, int, int]]):
+        assert _Scanner is not None
+        entries = tuple((-1 if fact is None else _FACT_INDEX[fact], rank, access, mark)
+                        for fact, rank, access, mark in table.values())
+        self.scan: Callable[[bytes], list[WireHit] | None] = _Scanner(
+            tuple(table), entries, _FACTS, names.PREFIX_LOOKUP_SPAN.encode()).scan
+
+    @staticmethod
+    def found(hit: WireHit, resource_worker: str | None) -> tuple[SpanFacts | None, dict[str, Any] | None, Marks | None]:
+        """What `SpanReader.scanner` returns for the hit's span (the hit's values not None)."""
+        values, marks = hit[4], hit[5]
+        found = None if marks is None else Marks(marks, hit[6], hit[7])
+        if not values:
+            return None, None, found
+        return (*_build(values, hit[8], hit[9], resource_worker), found)  # type: ignore[arg-type]
+
+
+def _build(values: dict[str, Any], start_time_unix_nano: int, engine_lookup: bool,
+           resource_worker: str | None) -> tuple[SpanFacts, dict[str, Any]]:
+    """`SpanFacts` from converted values by fact name (`_CONVERTERS`' keys) of an OTLP span
+    (its start time, needed with a time in queue only, and whether it is an engine lookup
+    span), and its non-None fields (``values``, renamed in place)."""
     if "lookup_time_unix_nano" in values:
         values["lookup_time"] = values.pop("lookup_time_unix_nano") / 1e9
     if "time_in_queue_s" in values:
-        values["queue_lookup_time"] = span.start_time_unix_nano / 1e9 + values.pop("time_in_queue_s")
+        values["queue_lookup_time"] = start_time_unix_nano / 1e9 + values.pop("time_in_queue_s")
     if "transfer_source" in values or "transfer_result" in values:
         source = values.pop("transfer_source", None)
         result = values.pop("transfer_result", _MISSING)
@@ -449,7 +513,7 @@ def _build(values: dict[str, Any], span: Any, resource_worker: str | None) -> tu
             values["transfer"] = TransferAttempt(result, source)
     if resource_worker is not None:
         values["resource_worker"] = resource_worker
-    return SpanFacts(**values, engine_lookup=span.name == names.PREFIX_LOOKUP_SPAN), values
+    return SpanFacts(**values, engine_lookup=engine_lookup), values
 
 
 def _set(kv: Any, value: Any) -> None:

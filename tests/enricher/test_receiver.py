@@ -45,10 +45,12 @@ class RecordingConsumer:
 
     def __init__(self, result: ConsumeResult = ACCEPTED, error: Exception | None = None) -> None:
         self.requests: list[ExportTraceServiceRequest] = []
+        self.bodies: list[bytes | None] = []  # what the receiver handed over beside each request
         self.result, self.error = result, error
 
-    async def consume(self, request: ExportTraceServiceRequest) -> ConsumeResult:
+    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
         self.requests.append(request)
+        self.bodies.append(body)
         if self.error is not None:
             raise self.error
         return self.result
@@ -130,6 +132,8 @@ class TestRealSdkExporters:
         assert [s.trace_id for s in got] == [s.context.trace_id.to_bytes(16, "big") for s in spans]
         assert [s.span_id for s in got] == [s.context.span_id.to_bytes(8, "big") for s in spans]
         assert {kv.key for kv in got[0].attributes} == {"gen_ai.request.id", "gen_ai.usage.prompt_tokens"}
+        # gRPC hands over the request's own bytes too
+        assert [ExportTraceServiceRequest.FromString(b) for b in consumer.bodies] == consumer.requests
 
     def test_http_exporter_with_gzip_delivers_every_span(self):
         spans = sdk_spans(4)
@@ -264,6 +268,9 @@ class TestHttpBodies:
         status, headers, _ = asyncio.run(scenario())
         assert status == 200 and headers["Content-Type"].startswith(ctype)
         assert consumer.requests == [request]
+        # The consumer gets the gunzipped protobuf bytes beside the message (it may read
+        # them instead, enricher/_spanscan.c); JSON has no such bytes.
+        assert consumer.bodies == [body if ctype == PROTOBUF else None]
 
     def test_a_large_gzip_body_is_gunzipped_off_the_loop_intact(self):
         rng = random.Random(7)
@@ -291,6 +298,7 @@ class TestHttpBodies:
         assert status == 200 and response.partial_success.rejected_spans == 2
         assert "16 bytes" in response.partial_success.error_message
         assert [s.name for s in consumer.spans()] == ["s0", "s2", "s4"]
+        assert consumer.bodies == [None]  # the request no longer matches the bytes received
 
     def test_partial_success_answer_in_json(self):
         consumer = RecordingConsumer(ConsumeResult(Outcome.ACCEPTED, rejected_spans=1, message="one was odd"))
@@ -413,6 +421,7 @@ class TestOutcomeMapping:
 
         response, _ = asyncio.run(scenario())
         assert response.partial_success.rejected_spans == 1 and len(consumer.spans()) == 1
+        assert consumer.bodies == [None]
 
     def test_grpc_accepts_up_to_the_configured_size_not_4_mib(self):
         request = otlp_request([GOOD] * 100_000)

@@ -16,7 +16,8 @@ Targets:
   decode_batch     msgpack KV-event batch payloads (WireError)
   parse_any        multipart frames (framing below) -> message or FrameError; batches decoded
   parse_otlp_json  OTLP/JSON bodies (ValueError), then the span reader on what parsed
-  otlp_protobuf    OTLP protobuf bodies (DecodeError), then the span reader on what parsed
+  otlp_protobuf    OTLP protobuf bodies (DecodeError), then the span reader on what parsed and
+                   the compiled wire scanner on the same bytes (the reader's answer or none)
   parse_config     TOML configuration text (ConfigError)
   decode_line      one `kvmiss decode` input line (never raises)
 
@@ -48,12 +49,15 @@ with atheris.instrument_imports(include=["kvmiss", "tomllib", "google.protobuf.j
     from kvmiss.collectors.frames import BatchMessage, FrameError, ReplayEnd, parse_any
     from kvmiss.enricher.cli import decode_cmd
     from kvmiss.enricher.receiver import drop_invalid_spans, parse_otlp_json
-    from kvmiss.enricher.spans import SpanReader
+    from kvmiss.enricher.spans import WIRE_SCAN, SpanReader
     from kvmiss.schemas.config import Config, ConfigError, parse_config
     from kvmiss.schemas.events import EventBatch, WireError, decode_batch, event_to_builtins
 
+from wire_scan_check import check_against_reference  # noqa: E402 (tests/ is on the path now)
+
 SOCKETS = (None, "sub", "dealer", "bogus")
 _reader = SpanReader()
+_drop = _reader.raw_names()
 
 
 def _read_spans(request: ExportTraceServiceRequest) -> None:
@@ -126,6 +130,8 @@ def fuzz_otlp_protobuf(data: bytes) -> None:
         request = ExportTraceServiceRequest.FromString(data)
     except DecodeError:
         return
+    if WIRE_SCAN:  # the compiled scanner on the same bytes: the reference's answer, or none
+        check_against_reference(_reader, _drop, data, may_abstain=True)
     _read_spans(request)
 
 

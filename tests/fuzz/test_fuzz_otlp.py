@@ -1,7 +1,7 @@
 """OTLP bodies as the receivers get them: protobuf and OTLP/JSON, plain or gzip'd. Every body
 is decoded or answered 400/413 (`_Rejected`); `parse_otlp_json` raises only ValueError;
-`SpanReader` reads any attribute value of any type without raising; what decodes
-round-trips (protobuf bytes, and OTLP/JSON through the exporter's own writer)."""
+`SpanReader` reads any attribute value of any type without raising, and the compiled wire
+scanner reads the same bytes as it does or abstains; what decodes round-trips (protobuf bytes, and OTLP/JSON through the exporter's own writer)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from fuzz_support import (
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
+from wire_scan_check import check_against_reference
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
@@ -33,7 +34,7 @@ from kvmiss.enricher.receiver import (
     drop_invalid_spans,
     parse_otlp_json,
 )
-from kvmiss.enricher.spans import SpanFacts, SpanReader
+from kvmiss.enricher.spans import WIRE_SCAN, SpanFacts, SpanReader
 from kvmiss.schemas.config import OtlpConfig
 from kvmiss.schemas.span_attributes import InputNames
 
@@ -49,7 +50,7 @@ INPUT_KEYS = _input_keys()
 
 
 class _NoConsumer:
-    async def consume(self, request):  # pragma: no cover - never reached by _decode
+    async def consume(self, request, body=None):  # pragma: no cover - never reached by _decode
         raise AssertionError
 
 
@@ -171,6 +172,8 @@ def test_mutated_protobuf_bodies_decode_or_are_answered_400(request, data):
         return
     again = ExportTraceServiceRequest.FromString(parsed.SerializeToString())
     assert again.SerializeToString(deterministic=True) == parsed.SerializeToString(deterministic=True)
+    if WIRE_SCAN:  # the compiled scanner on the same bytes: the reference's answer, or none
+        check_against_reference(_reader, _reader.raw_names(), body, may_abstain=True)
     check_read(decode_body(body, PROTOBUF))
 
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The compiled parts -- the residency table (enricher/_blocktable.c) and the span scanner
+# (enricher/_spanscan.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
+# them instrumented, run the tests that drive them hardest (differential tests against the
+# reference models, fuzzers, hostile input, retention), then put the normal builds back.
+#   usage: bash benchmarks/asan.sh   (needs gcc, .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+include=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+backups=()
+restore() {
+    for pair in "${backups[@]}"; do
+        cp "${pair#*:}" "${pair%%:*}"
+        rm -f "${pair#*:}"
+    done
+}
+trap restore EXIT
+for module in _blocktable _spanscan; do
+    so=$(ls enricher/${module}*.so)
+    backup=$(mktemp)
+    cp "$so" "$backup"
+    backups+=("$so:$backup")
+    gcc -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fPIC -shared -I"$include" \
+        enricher/${module}.c -o "$so"
+done
+LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
+ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+KVMISS_REQUIRE_ACCELERATED=1 \
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/enricher/test_residency_table.py tests/fuzz \
+    tests/security tests/reliability/test_retention_pruning.py tests/enricher/test_fleet_holders.py \
+    tests/enricher/test_evidence.py tests/enricher/test_worked_cases.py tests/enricher/test_offline.py \
+    tests/enricher/test_span_scan.py tests/enricher/test_pipeline.py tests/enricher/test_receiver.py
