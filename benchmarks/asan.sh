@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The compiled parts -- the residency table (enricher/_blocktable.c) and the span scanner
-# (enricher/_spanscan.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
+# (enricher/_otlpwire.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
 # them instrumented, run the tests that drive them hardest (differential tests against the
 # reference models, fuzzers, hostile input, retention), then put the normal builds back.
 #   usage: bash benchmarks/asan.sh   (needs gcc, .venv)
@@ -15,7 +15,7 @@ restore() {
     done
 }
 trap restore EXIT
-for module in _blocktable _spanscan; do
+for module in _blocktable _otlpwire; do
     so=$(ls enricher/${module}*.so)
     backup=$(mktemp)
     cp "$so" "$backup"

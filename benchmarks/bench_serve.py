@@ -287,11 +287,13 @@ def build_payloads(n: int, workers: int, lookup_ts: float, seed: int) -> tuple[l
 
 
 def loadgen_main(conn, args, sink_port: int, kvmiss_port: int, kvmiss_pid: int, lookup_ts: float,
-                 report_sock: socket.socket) -> None:
-    asyncio.run(_loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, report_sock))
+                 report_sock: socket.socket, neighbours: dict[str, int]) -> None:
+    asyncio.run(_loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, report_sock, neighbours))
 
 
-async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, report_sock) -> None:
+async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, report_sock, neighbours) -> None:
+    # Every process of the benchmark shares the two cores: their CPU is reported per phase too.
+    neighbours = {**neighbours, "loadgen": os.getpid()}
     import aiohttp
 
     total = args.light * 2 + args.warmup + args.rated + args.batches
@@ -336,6 +338,7 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
                     await asyncio.wait_for(reached, args.deadline_s)
 
         cpu0 = process_cpu_s(kvmiss_pid)
+        others0 = {name: process_cpu_s(pid) for name, pid in neighbours.items()}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(concurrency, 64))) as session:
             if rate_batches_s:  # open loop: a POST every 1/rate s whatever the previous did
                 tasks = []
@@ -354,6 +357,7 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
         end = max((arrived[b] for b in sent if b in arrived), default=time.monotonic())
         return {"batches": len(sent), "delivered": sum(b in arrived for b in sent), "statuses": statuses,
                 "elapsed_s": end - start, "kvmiss_cpu_s": process_cpu_s(kvmiss_pid) - cpu0,
+                "others_cpu_s": {name: process_cpu_s(pid) - others0[name] for name, pid in neighbours.items()},
                 "e2e_ms": [(arrived[b] - sent[b]) * 1e3 for b in sent if b in arrived],
                 "ack_ms": [(acked[b] - sent[b]) * 1e3 for b in acked]}
 
@@ -523,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
 
         gen_conn, child_conn = ctx.Pipe()
         gen = ctx.Process(target=loadgen_main, name="loadgen", daemon=True,
-                          args=(child_conn, args, sink_port, http_port, serve.pid, lookup_ts - 0.001, report_sock))
+                          args=(child_conn, args, sink_port, http_port, serve.pid, lookup_ts - 0.001, report_sock,
+                                {"sink": sink.pid, "publishers": pubs.pid}))
         gen.start()
         children.append(gen)
         _, results = receive(gen_conn, gen, timeout=900)
@@ -563,7 +568,7 @@ STAGES = (
     ("idle (waiting in select)", ("EpollSelector.select",)),
     ("OTLP/HTTP receive: aiohttp, body, gunzip, parse", ("Receivers._answer_http",)),
     ("  of which pipeline.consume", ("Pipeline.consume",)),
-    ("    read facts from spans (SpanReader.scanner)", ("SpanReader.read", "scan", "SpanReader._make_scanner.<locals>.scan")),
+    ("    read facts from spans (wire scanner + holding)", ("Pipeline._take_hits", "Pipeline._take_spans")),
     ("    assemble + judge (Pipeline._assess)", ("Pipeline._assess",)),
     ("      evidence + verdict (Attributor.attribute)", ("Attributor.attribute",)),
     ("      write outputs (Pipeline._write)", ("Pipeline._write", "upsert_attributes")),
@@ -617,6 +622,10 @@ def report(args, results, metrics, tally, population_s, pop_batches, all_batches
             line += (f", ack p50 {statistics.median(r['ack_ms']):.2f} ms, statuses {r['statuses']}, "
                      f"kvmiss CPU {r['kvmiss_cpu_s'] / max(spans, 1) * 1e6:.1f} us/span")
         print(line)
+        if name == "via_saturated":  # where the two cores went while kvmiss was saturated
+            cores = {"kvmiss": r["kvmiss_cpu_s"], **r["others_cpu_s"]}
+            print("  cores busy, saturated: " + ", ".join(f"{n} {c / r['elapsed_s']:.2f}" for n, c in cores.items())
+                  + f" (of {os.cpu_count()})")
     base, via = results["direct_paced"]["e2e_ms"], results["via_paced"]["e2e_ms"]
     rated = results["via_rated"]["e2e_ms"]
     print(f"added latency, paced: p50 {statistics.median(via) - statistics.median(base):.2f} ms, "

@@ -38,7 +38,7 @@ class Fragment(msgspec.Struct):
     """One span's facts, and where to write the verdict if this span is chosen."""
 
     facts: SpanFacts
-    span: Any  # the protobuf Span (owned by a pending export batch)
+    span: Any  # the protobuf Span (owned by a pending export batch), or None: see ``at``
     batch: Any  # the pending batch holding it
     instance: str | None = None
     # Where the span's raw inputs and output-named attributes are (`spans.Marks`, from the
@@ -47,6 +47,9 @@ class Fragment(msgspec.Struct):
     # ``facts``' non-None fields but ``engine_lookup`` (`SpanReader.scanner` gives them;
     # derived from ``facts`` when not given). Read-only.
     fields: dict[str, Any] | None = None
+    # (resource, scope, span index) in the batch's request: where the span is when the
+    # pipeline writes the batch's bytes and holds no parsed span (``span`` None).
+    at: tuple[int, int, int] | None = None
 
     def set_fields(self) -> dict[str, Any]:
         fields = self.fields

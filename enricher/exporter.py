@@ -1,7 +1,9 @@
 """Forwarding enriched requests downstream: OTLP exporters and the `ExportQueue` before them.
 
 The exporters send the ``ExportTraceServiceRequest`` itself (never SDK spans: that would be
-lossy and ~50x slower) and classify the answer once into an `ExportResult`:
+lossy and ~50x slower) -- as the message, or as the bytes the pipeline rewrote
+(`EncodedRequest`, sent without serializing) -- and classify the answer once into an
+`ExportResult`:
 
 - `HttpExporter`: POST the serialized request, gzip, to ``<endpoint>/v1/traces``;
   429/502/503/504 and network errors are RETRYABLE (honouring ``Retry-After``), other
@@ -49,7 +51,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from kvmiss.enricher.otlp import ExportResult, Outcome, TracesExporter, span_count
+from kvmiss.enricher.otlp import (EncodedRequest, ExportResult, OtlpRequest, Outcome, TracesExporter, request_bytes,
+                                  request_message, span_count)
 from kvmiss.schemas.config import ExportConfig
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ RETRYABLE_HTTP_STATUS = frozenset({429, 502, 503, 504})
 # The OTLP spec's retryable codes; RESOURCE_EXHAUSTED is retryable only with RetryInfo.
 _C = grpc.StatusCode
 RETRYABLE_GRPC_CODES = frozenset({_C.CANCELLED, _C.DEADLINE_EXCEEDED, _C.ABORTED, _C.OUT_OF_RANGE, _C.UNAVAILABLE, _C.DATA_LOSS})
+EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 GZIP_LEVEL = 1  # ~3x faster than the default 6 for OTLP protobuf, ~10% larger: CPU is scarcer
 THREAD_COMPRESS_BYTES = 64 * 1024  # below it, a thread hop (~50 us) costs more than it frees
 
@@ -165,12 +169,12 @@ class HttpExporter:
         self._session: aiohttp.ClientSession | None = None
         self._warned_tls = False
 
-    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+    async def export(self, request: OtlpRequest) -> ExportResult:
         if self._session is None:  # created here: a ClientSession belongs to the running loop
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout, connector=aiohttp.TCPConnector(limit=8, ssl=self._ssl)
             )
-        body = request.SerializeToString()
+        body = request_bytes(request)
         if self._gzip:
             # Deflate releases the GIL: on a big body, a thread lets the loop keep receiving.
             if len(body) > THREAD_COMPRESS_BYTES:
@@ -227,8 +231,9 @@ class GrpcExporter:
         self._metadata = metadata
         self._channel: grpc.aio.Channel | None = None
         self._stub: trace_service_pb2_grpc.TraceServiceStub | None = None
+        self._export_bytes = None  # Export taking already encoded requests
 
-    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+    async def export(self, request: OtlpRequest) -> ExportResult:
         if self._stub is None:  # created here: an aio channel belongs to the running loop
             # grpc's own reconnect backoff grows to 120 s by default; the queue retries on its
             # own schedule, so keep the channel's short or a recovered sink stays unseen.
@@ -238,10 +243,12 @@ class GrpcExporter:
             else:
                 self._channel = grpc.aio.insecure_channel(self.target, options=options)
             self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
+            self._export_bytes = self._channel.unary_unary(  # no serializer: the bytes go as they are
+                EXPORT_METHOD, response_deserializer=ExportTraceServiceResponse.FromString)
+        call = self._export_bytes if type(request) is EncodedRequest else self._stub.Export
+        body = request.body if type(request) is EncodedRequest else request
         try:
-            response = await self._stub.Export(
-                request, timeout=self._timeout, compression=self._compression, metadata=self._metadata
-            )
+            response = await call(body, timeout=self._timeout, compression=self._compression, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             return classify_grpc(exc.code(), exc.trailing_metadata(), exc.details() or "")
         _log_partial_success(response, self.target)
@@ -250,7 +257,7 @@ class GrpcExporter:
     async def shutdown(self) -> None:
         if self._channel is not None:
             await self._channel.close()
-            self._channel = self._stub = None
+            self._channel = self._stub = self._export_bytes = None
 
 
 def to_otlp_json(request: ExportTraceServiceRequest) -> str:
@@ -282,9 +289,9 @@ class JsonLinesFileExporter:
         self.path = path
         self._file = None
 
-    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+    async def export(self, request: OtlpRequest) -> ExportResult:
         try:
-            await asyncio.to_thread(self._write, request)
+            await asyncio.to_thread(self._write, request_message(request))
         except (OSError, ValueError) as exc:
             return ExportResult(Outcome.PERMANENT, f"{self.path}: {exc}")
         return SENT
@@ -343,7 +350,7 @@ class ExportQueue:
         self._max_elapsed = max_elapsed_s
         # (request, spans); the head stays in the deque while it is being exported, so the
         # bound also covers the request in flight.
-        self._items: collections.deque[tuple[ExportTraceServiceRequest, int]] = collections.deque()
+        self._items: collections.deque[tuple[OtlpRequest, int]] = collections.deque()
         self.queued_spans = 0
         self._put_seq = 0  # requests ever queued
         self._done_seq = 0  # requests finished (sent, failed or dropped)
@@ -367,7 +374,7 @@ class ExportQueue:
         upstream when not. An empty queue takes any size, so one huge request cannot wedge."""
         return not self._closing and (self.queued_spans == 0 or self.queued_spans + n_spans <= self.max_spans)
 
-    def put(self, request: ExportTraceServiceRequest, n_spans: int | None = None) -> bool:
+    def put(self, request: OtlpRequest, n_spans: int | None = None) -> bool:
         """Queue ``request`` (the queue owns it from now on). Never blocks; returns False,
         counting the spans as dropped, when full or shut down."""
         n = span_count(request) if n_spans is None else n_spans
@@ -442,7 +449,7 @@ class ExportQueue:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _export(self, request: ExportTraceServiceRequest, n: int) -> None:
+    async def _export(self, request: OtlpRequest, n: int) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         backoff = self._initial_backoff

@@ -54,8 +54,20 @@ class ExportResult(msgspec.Struct, frozen=True):
     retry_after_s: float | None = None
 
 
+class EncodedRequest(msgspec.Struct, frozen=True):
+    """An ``ExportTraceServiceRequest`` as its protobuf bytes, with its span count: what the
+    pipeline hands on when it wrote the verdicts into the received bytes (enricher/_otlpwire.c)
+    instead of into the parsed message. Immutable, so fan-out needs no copy."""
+
+    body: bytes
+    spans: int
+
+
+OtlpRequest = ExportTraceServiceRequest | EncodedRequest  # what travels from the pipeline to exporters
+
+
 class TracesExporter(Protocol):
-    async def export(self, request: ExportTraceServiceRequest) -> ExportResult:
+    async def export(self, request: OtlpRequest) -> ExportResult:
         """Send one request downstream once (the caller retries RETRYABLE results)."""
         ...
 
@@ -63,14 +75,26 @@ class TracesExporter(Protocol):
         ...
 
 
-def span_count(request: ExportTraceServiceRequest) -> int:
+def span_count(request: OtlpRequest) -> int:
+    if type(request) is EncodedRequest:
+        return request.spans
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
-try:  # the compiled span scanner's counting walk (enricher/_spanscan.c); see enricher/spans.py
-    if os.environ.get("KVMISS_PURE_PYTHON_SCAN") == "1":
-        raise ImportError("KVMISS_PURE_PYTHON_SCAN=1")
-    from kvmiss.enricher._spanscan import count_spans as _count_spans
+def request_bytes(request: OtlpRequest) -> bytes:
+    """The protobuf bytes of either form (an `EncodedRequest`'s own: no serializing)."""
+    return request.body if type(request) is EncodedRequest else request.SerializeToString()
+
+
+def request_message(request: OtlpRequest) -> ExportTraceServiceRequest:
+    """The message of either form (an `EncodedRequest` parsed: for the slow paths only)."""
+    return ExportTraceServiceRequest.FromString(request.body) if type(request) is EncodedRequest else request
+
+
+try:  # the compiled walk over a request's bytes (enricher/_otlpwire.c); see enricher/spans.py
+    if os.environ.get("KVMISS_PURE_PYTHON_OTLP") == "1":
+        raise ImportError("KVMISS_PURE_PYTHON_OTLP=1")
+    from kvmiss.enricher._otlpwire import count_spans as _count_spans
 except ImportError:
     _count_spans = None
 

@@ -31,9 +31,10 @@ from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, JudgedRequest
                                      incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import (Marks, SpanFacts, SpanReader, WireHit, WireScanner, strip_marked,
-                                  upsert_attributes, upsert_marked, verdict_attributes)
-from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
+from kvmiss.enricher.spans import (_OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
+                                  encode_attributes, rewrite_request, strip_marked, upsert_attributes, upsert_marked,
+                                  verdict_attributes)
+from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.pipeline")
@@ -43,19 +44,27 @@ MAX_ROUTE_POLICIES = 16  # distinct routing-policy values kept as metric labels
 
 class ExportSink(Protocol):
     def has_capacity(self, spans: int) -> bool: ...
-    def put(self, request: ExportTraceServiceRequest) -> bool: ...
+    def put(self, request: OtlpRequest) -> bool: ...
 
 
 class PendingBatch:
-    """One received export request, held until its outcome spans are judged."""
+    """One received export request, held until its outcome spans are judged.
 
-    __slots__ = ("request", "spans", "waiting", "carriers")
+    Two ways to write it: into the parsed message (``body`` None), or -- when the request
+    came with its bytes and the wire scanner read them -- as ``edits`` to those bytes, applied
+    in C on release (`rewrite_request`): no upb write, no serializing. A write the bytes
+    cannot take turns the batch into a message batch (`Pipeline._to_message`)."""
 
-    def __init__(self, request: ExportTraceServiceRequest, spans: int):
+    __slots__ = ("request", "spans", "waiting", "carriers", "body", "edits")
+
+    def __init__(self, request: ExportTraceServiceRequest, spans: int, body: bytes | None = None):
         self.request = request
         self.spans = spans
         self.waiting = 0
         self.carriers: list[Fragment] = []  # spans with raw inputs, as fragments (with their marks)
+        self.body = body
+        # (resource, scope, span index, attribute positions to delete, Span.attributes bytes to append)
+        self.edits: list[tuple[int, int, int, tuple[int, ...], bytes]] = []
 
 
 WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
@@ -160,6 +169,7 @@ class Pipeline:
         if hits is None:
             self._take_spans(request, batch, now, touched)
         else:
+            batch.body = body  # written as edits to these bytes
             self._take_hits(request, hits, batch, now, touched)
         self.pending_spans += spans
         if batch.waiting == 0:
@@ -189,29 +199,27 @@ class Pipeline:
 
     def _take_hits(self, request: ExportTraceServiceRequest, hits: list[WireHit], batch: PendingBatch,
                    now: float, touched: dict[bytes, None]) -> None:
-        """`_take_spans` from the wire scanner's hits: only the spans they name are looked
-        up in the parsed request; a hit without values is read by the reference scanner."""
+        """`_take_spans` from the wire scanner's hits, the fragments placed by position (the
+        parsed span is looked up only for a hit without values: the reference scanner reads
+        it)."""
         reader = self.reader
         found_of = WireScanner.found
         scan = None
         bad: list[str] = []
-        at_resource = at_scope = -1
+        at_resource = -1
         resources: Any = request.resource_spans
         for hit in hits:
-            r, s, i = hit[0], hit[1], hit[2]
+            r = hit[0]
             if r != at_resource:
-                resource_spans = resources[r]
-                instance = reader.instance_of(resource_spans.resource.attributes)
-                worker = reader.worker_of(resource_spans.resource.attributes)
-                scopes = resource_spans.scope_spans
-                at_resource, at_scope = r, -1
-            if s != at_scope:
-                spans = scopes[s].spans
-                at_scope = s
-            span = spans[i]
+                resource = resources[r].resource
+                instance = reader.instance_of(resource.attributes)
+                worker = reader.worker_of(resource.attributes)
+                at_resource = r
+            span = None
             if hit[4] is None:  # a value the reference rules read
                 if scan is None:
                     scan = reader.scanner(self.drop)
+                span = _span_at(request, hit)
                 found = scan(span, bad, worker)
                 if bad:
                     self._count_bad(bad)
@@ -219,7 +227,7 @@ class Pipeline:
                     continue
             else:
                 found = found_of(hit, worker)
-            trace_id = self._take(span, found, batch, instance, now, hit[3])
+            trace_id = self._take(span, found, batch, instance, now, hit[3], hit[:3])
             if trace_id is not None:
                 touched[trace_id] = None
 
@@ -238,16 +246,18 @@ class Pipeline:
                     self._assess(assembly, now, final=False)
 
     def _take(self, span: Any, found: tuple[SpanFacts | None, dict[str, Any] | None, Marks | None],
-              batch: PendingBatch, instance: str | None, now: float, trace_id: bytes) -> bytes | None:
-        """Hold ``span`` as a fragment of its request (``found``: what the scanner found on
-        it); its trace id, or None when it carries no facts. A span with raw inputs is kept
-        with their marks, to be stripped on release."""
+              batch: PendingBatch, instance: str | None, now: float, trace_id: bytes,
+              at: tuple[int, int, int] | None = None) -> bytes | None:
+        """Hold ``span`` (or the span at position ``at`` of the batch) as a fragment of its
+        request (``found``: what the scanner found on it); its trace id, or None when it
+        carries no facts. A span with raw inputs is kept with their marks, to be stripped on
+        release."""
         facts, fields, marks = found
         if facts is None:
             if marks is not None and marks.raw:
-                batch.carriers.append(Fragment(None, span, batch, instance, marks))  # type: ignore[arg-type]
+                batch.carriers.append(Fragment(None, span, batch, instance, marks, at=at))  # type: ignore[arg-type]
             return None
-        fragment = Fragment(facts, span, batch, instance, marks, fields)
+        fragment = Fragment(facts, span, batch, instance, marks, fields, at)
         if marks is not None and marks.raw:
             batch.carriers.append(fragment)
         trace = self._traces.get(trace_id)
@@ -409,22 +419,81 @@ class Pipeline:
 
     def _write(self, fragment: Fragment, values: dict[str, Any]) -> None:
         """Upsert ``values`` on the fragment's span and strip its raw inputs now (its facts
-        are read), from its marks; a span written before is rescanned."""
+        are read), from its marks; a span written before is rescanned. In a batch written as
+        edits to its bytes, the same as one edit (the marks name what to delete)."""
+        batch = fragment.batch
+        if batch.body is not None:
+            marks = fragment.marks
+            if marks is not WRITTEN and _OUTPUT_NAMES.issuperset(values):
+                try:
+                    data = encode_attributes(values)
+                except (NotEncodable, UnicodeError):
+                    pass  # as the message would refuse it: there
+                else:
+                    drop = self.drop
+                    deletes = () if marks is None else tuple(
+                        i for i, key in marks.at if key in values or key in drop)
+                    batch.edits.append((*fragment.at, deletes, data))
+                    fragment.marks = WRITTEN
+                    return
+            self._to_message(batch)
+        span = self._span(fragment)
         if fragment.marks is WRITTEN:
-            upsert_attributes(fragment.span, values, drop=self.drop)
+            upsert_attributes(span, values, drop=self.drop)
         else:
-            upsert_marked(fragment.span, values, fragment.marks, self.drop)
+            upsert_marked(span, values, fragment.marks, self.drop)
             fragment.marks = WRITTEN
 
     def _release(self, batch: PendingBatch) -> None:
         drop = self.drop
+        if batch.body is not None:
+            strips = [(*fragment.at, tuple(i for i, key in fragment.marks.at if key in drop), b"")
+                      for fragment in batch.carriers  # every span with a raw input, marked by `_take`
+                      if fragment.marks is not WRITTEN]  # (a written span was stripped then)
+            # In wire order, one edit per span: a written span is never stripped again.
+            try:
+                body = rewrite_request(batch.body, sorted(batch.edits + strips))
+            except ValueError:  # not expected (the bytes were scanned): the message path is the rule
+                log.exception("rewriting a request's bytes failed; writing the parsed message instead")
+                self._to_message(batch)
+            else:
+                batch.carriers.clear()
+                self._hand_on(batch, EncodedRequest(body, batch.spans))
+                return
         for fragment in batch.carriers:  # every span with a raw input, marked by `_take`
             if fragment.marks is not WRITTEN:  # (a written span was stripped then)
-                strip_marked(fragment.span, fragment.marks, drop)
+                strip_marked(self._span(fragment), fragment.marks, drop)
         batch.carriers.clear()  # fragments point back at the batch: no cycle left for the GC
+        self._hand_on(batch, batch.request)
+
+    def _hand_on(self, batch: PendingBatch, request: OtlpRequest) -> None:
         self.pending_spans -= batch.spans
-        if self.sink.put(batch.request):
+        if self.sink.put(request):
             self.stats.spans_out += batch.spans
         else:
             self.stats.unenriched["export_refused"] += batch.spans
             log.warning("export queue refused %d spans", batch.spans)
+
+    @staticmethod
+    def _span(fragment: Fragment) -> Any:
+        """The fragment's parsed span (looked up by position the first time it is needed)."""
+        if fragment.span is None:
+            fragment.span = _span_at(fragment.batch.request, fragment.at)
+        return fragment.span
+
+    def _to_message(self, batch: PendingBatch) -> None:
+        """Apply the batch's edits to its parsed message and write it there from now on."""
+        request = batch.request
+        for r, s, i, deletes, data in batch.edits:
+            span = _span_at(request, (r, s, i))
+            attributes = span.attributes
+            for position in reversed(deletes):
+                del attributes[position]
+            span.MergeFromString(data)
+        batch.body = None
+        batch.edits = []
+
+
+def _span_at(request: ExportTraceServiceRequest, at: Any) -> Any:
+    """The parsed span at (resource, scope, span index) of ``request``."""
+    return request.resource_spans[at[0]].scope_spans[at[1]].spans[at[2]]

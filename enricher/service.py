@@ -36,7 +36,7 @@ from kvmiss.enricher.listener import BodyRefused, ConnectionBounds, HttpListener
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.privacy import DigestKey, load_digest_key
-from kvmiss.enricher.otlp import ConsumeResult, Outcome, span_count
+from kvmiss.enricher.otlp import ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.enricher.receiver import Receivers, parse_listen
 from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
@@ -67,13 +67,16 @@ class FanOut:
     def has_capacity(self, spans: int) -> bool:
         return all(q.has_capacity(spans) for q in self.queues)
 
-    def put(self, request: ExportTraceServiceRequest) -> bool:
+    def put(self, request: OtlpRequest) -> bool:
         if not self.queues:
             if self.journal is not None:
                 self.journal.finished(span_count(request))
             return True  # nowhere to send: a dry run
         ok = True
         for queue in self.queues[1:]:
+            if type(request) is EncodedRequest:  # immutable bytes: shared
+                ok &= queue.put(request)
+                continue
             copy = ExportTraceServiceRequest()
             copy.CopyFrom(request)
             ok &= queue.put(copy)

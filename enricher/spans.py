@@ -333,8 +333,8 @@ class SpanReader:
         return table
 
     def wire_scanner(self, drop: frozenset[str] = frozenset()) -> WireScanner | None:
-        """`scanner` for a whole request's protobuf bytes, compiled (enricher/_spanscan.c);
-        None when the extension was not built (or KVMISS_PURE_PYTHON_SCAN=1)."""
+        """`scanner` for a whole request's protobuf bytes, compiled (enricher/_otlpwire.c);
+        None when the extension was not built (or KVMISS_PURE_PYTHON_OTLP=1)."""
         if _Scanner is None:
             return None
         return WireScanner(self._scan_table(drop))
@@ -452,13 +452,14 @@ class SpanReader:
 # --- the compiled twin of `SpanReader.scanner`: a whole request's wire bytes in one C call ---------
 
 try:
-    if os.environ.get("KVMISS_PURE_PYTHON_SCAN") == "1":  # to rule the C scanner in or out
-        raise ImportError("KVMISS_PURE_PYTHON_SCAN=1")
-    from kvmiss.enricher._spanscan import Scanner as _Scanner
+    if os.environ.get("KVMISS_PURE_PYTHON_OTLP") == "1":  # to rule the C scanner in or out
+        raise ImportError("KVMISS_PURE_PYTHON_OTLP=1")
+    from kvmiss.enricher._otlpwire import Scanner as _Scanner
+    from kvmiss.enricher._otlpwire import rewrite as _rewrite
 except ImportError:
-    _Scanner = None
+    _Scanner = _rewrite = None
 
-WIRE_SCAN = _Scanner is not None  # whether enricher/_spanscan.c was built and is used
+WIRE_SCAN = _Scanner is not None  # whether enricher/_otlpwire.c was built and is used
 _FACTS = tuple(_CONVERTERS)  # the C scanner's fact indexes -> names (its values dicts' keys)
 _FACT_INDEX = {fact: i for i, fact in enumerate(_FACTS)}
 
@@ -471,7 +472,7 @@ WireHit = tuple[int, int, int, bytes, "dict[str, Any] | None", "list[tuple[int, 
 
 class WireScanner:
     """`SpanReader.scanner`'s reading of every span of an ``ExportTraceServiceRequest`` at
-    once, from the protobuf bytes the request was parsed from (enricher/_spanscan.c). The
+    once, from the protobuf bytes the request was parsed from (enricher/_otlpwire.c). The
     same table, ranks and value rules: values of the types a fact takes directly are
     converted in C; a span with any other value is handed back for the reference scanner
     (its values None). `scan` answers None for encodings it does not model (repeated
@@ -495,6 +496,17 @@ class WireScanner:
         if not values:
             return None, None, found
         return (*_build(values, hit[8], hit[9], resource_worker), found)  # type: ignore[arg-type]
+
+
+def rewrite_request(body: bytes, edits: list[tuple[int, int, int, tuple[int, ...], bytes]]) -> bytes:
+    """``body`` (an encoded request `WireScanner.scan` read) with ``edits`` applied, in C: per
+    span, at (resource, scope, span index) in wire order, the attribute positions to delete
+    (ascending: the marks of raw inputs and replaced outputs) and `encode_attributes` bytes
+    to append. Only the messages holding an edited span are re-encoded, the rest is copied.
+    The same request `strip_marked` / `upsert_marked` would make of the parsed message.
+    Raises ValueError for an edit that does not fit the body."""
+    assert _rewrite is not None, "only with the compiled wire scanner"
+    return _rewrite(body, edits)
 
 
 def _build(values: dict[str, Any], start_time_unix_nano: int, engine_lookup: bool,
@@ -675,7 +687,7 @@ def _string(text: str) -> bytes:
     return b"\x0a" + _varint(len(data)) + data
 
 
-class _NotEncodable(Exception):
+class NotEncodable(Exception):
     pass
 
 
@@ -688,7 +700,7 @@ def _any_value(value: Any) -> bytes | None:
         return _TRUE if value else _FALSE
     if isinstance(value, int):
         if not _INT64_MIN <= value < _INT64_END:
-            raise _NotEncodable
+            raise NotEncodable
         return b"\x18" + _varint(value & MASK64)
     if isinstance(value, float):
         return b"\x21" + _DOUBLE(value)
@@ -701,7 +713,7 @@ def _any_value(value: Any) -> bytes | None:
 
 
 def encode_attributes(values: dict[str, Any]) -> bytes:
-    """``values`` as Span.attributes wire bytes (raises `_NotEncodable` or an encoding error
+    """``values`` as Span.attributes wire bytes (raises `NotEncodable` or an encoding error
     where `_set` would not build the same message). Whole entries of str and int values are
     cached per key (a bounded dict each): labels, owners, reasons, small counts repeat."""
     parts = []
@@ -722,7 +734,7 @@ def encode_attributes(values: dict[str, Any]) -> bytes:
                 any_value = b"\x0a" + (varints[size] if size < 0x4000 else _varint(size)) + data
             else:
                 if not _INT64_MIN <= value < _INT64_END:
-                    raise _NotEncodable
+                    raise NotEncodable
                 any_value = b"\x18" + _varint(value & MASK64)
         else:
             any_value = _any_value(value)
@@ -749,7 +761,7 @@ def encode_attributes(values: dict[str, Any]) -> bytes:
 def _key_field(key: str) -> bytes:
     """The KeyValue.key field bytes of ``key`` (cached)."""
     if type(key) is not str:
-        raise _NotEncodable
+        raise NotEncodable
     data = key.encode()
     field = b"\x0a" + _varint(len(data)) + data
     if len(_key_fields) >= _CACHE_MAX:
@@ -763,7 +775,7 @@ def _append(span: Any, values: dict[str, Any]) -> None:
     if type(span) is _SpanType:
         try:
             data = encode_attributes(values)
-        except (_NotEncodable, UnicodeError):
+        except (NotEncodable, UnicodeError):
             pass
         else:
             span.MergeFromString(data)

@@ -32,7 +32,7 @@ from kvmiss.enricher.exporter import (
     classify_http,
     parse_retry_after,
 )
-from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, ExportResult, Outcome, span_count
+from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, ExportResult, Outcome, request_bytes, span_count
 from kvmiss.enricher.receiver import Receivers, parse_otlp_json, retry_status_details
 from kvmiss.schemas.config import ExportConfig, OtlpConfig
 
@@ -168,6 +168,29 @@ class TestExporters:
 
         result, sink = asyncio.run(scenario())
         assert result.outcome is Outcome.ACCEPTED and sink.requests == [request]
+
+    def test_an_encoded_request_goes_as_its_bytes_over_http_grpc_and_into_the_file(self, tmp_path):
+        """What the pipeline hands on when it rewrote the received bytes (`EncodedRequest`):
+        the same request at every sink, and the bytes sent are exactly those given."""
+        request = numbered(9)
+        encoded = EncodedRequest(request.SerializeToString(), 1)
+        path = tmp_path / "spans.jsonl"
+
+        async def scenario():
+            async with running(HttpSink()) as http_sink, running(GrpcSink()) as grpc_sink:
+                exporters = [HttpExporter(http_sink.endpoint), GrpcExporter(grpc_sink.endpoint),
+                             JsonLinesFileExporter(str(path))]
+                results = [await e.export(encoded) for e in exporters]
+                results.append(await exporters[1].export(request))  # the message after bytes: both calls work
+                for e in exporters:
+                    await e.shutdown()
+                return results, http_sink, grpc_sink
+
+        results, http_sink, grpc_sink = asyncio.run(scenario())
+        assert all(r.outcome is Outcome.ACCEPTED for r in results)
+        assert http_sink.requests == [request] and grpc_sink.requests == [request, request]
+        assert [parse_otlp_json(line.encode()) for line in path.read_text().splitlines()] == [request]
+        assert span_count(encoded) == 1 and request_bytes(encoded) is encoded.body
 
     def test_real_sinks_answers_are_classified(self):
         async def scenario():

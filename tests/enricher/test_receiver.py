@@ -269,7 +269,7 @@ class TestHttpBodies:
         assert status == 200 and headers["Content-Type"].startswith(ctype)
         assert consumer.requests == [request]
         # The consumer gets the gunzipped protobuf bytes beside the message (it may read
-        # them instead, enricher/_spanscan.c); JSON has no such bytes.
+        # them instead, enricher/_otlpwire.c); JSON has no such bytes.
         assert consumer.bodies == [body if ctype == PROTOBUF else None]
 
     def test_a_large_gzip_body_is_gunzipped_off_the_loop_intact(self):

@@ -23,6 +23,7 @@ from sglang_publisher import batch
 
 from kvmiss.enricher import service as service_module
 from kvmiss.enricher.listener import ConnectionBounds
+from kvmiss.enricher.receiver import parse_otlp_json
 from kvmiss.enricher.service import Service
 from kvmiss.schemas.config import parse_config
 
@@ -72,15 +73,17 @@ def sink():
     s.close()
 
 
-def make_config(eps, sink_endpoint: str) -> str:
+def make_config(eps, sink_endpoint: str, file: str | None = None) -> str:
     workers = "".join(
         f'[[workers]]\nid = "{w}"\nendpoint = "{ep}"\nreplay_endpoint = "{rep}"\n' for w, (ep, rep) in eps.items())
+    also = f'file = "{file}"' if file else ""
     return f"""
 [otlp]
 grpc = "127.0.0.1:0"
 http = "127.0.0.1:0"
 [export]
 endpoint = "{sink_endpoint}"
+{also}
 [engine]
 block_size = 16
 [privacy]
@@ -116,9 +119,10 @@ def router_attrs(rid: str, worker: str, chain: list[int], cached: int, lookup: f
             "kvmiss.token_ids": [1, 2, 3]}
 
 
-def test_labels_arrive_downstream_on_the_routers_spans(fleet, sink):
+def test_labels_arrive_downstream_on_the_routers_spans(fleet, sink, tmp_path):
     eps, pubs = fleet
-    running = RunningService(parse_config(make_config(eps, sink.endpoint)))
+    file = tmp_path / "spans.jsonl"  # a second exporter: the same requests reach both
+    running = RunningService(parse_config(make_config(eps, sink.endpoint, str(file))))
     try:
         svc = running.service
         t0 = time.time()
@@ -163,8 +167,18 @@ def test_labels_arrive_downstream_on_the_routers_spans(fleet, sink):
             assert forbidden not in metrics
         ready = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/readyz")
         assert ready.status == 200
+        deadline = time.monotonic() + 10
+        while not (file.exists() and len(_file_spans(file)) == 11) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(s.SerializeToString(deterministic=True) for s in _file_spans(file)) == sorted(
+            s.SerializeToString(deterministic=True) for s in spans)
     finally:
         running.stop()
+
+
+def _file_spans(path) -> list:
+    requests = [parse_otlp_json(line.encode()) for line in path.read_text().splitlines()]
+    return [s for r in requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
 
 
 def test_a_bad_worker_endpoint_fails_start_up_with_a_clear_error(sink):

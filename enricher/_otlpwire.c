@@ -1,22 +1,26 @@
-/* Span scanner: the facts kvmiss reads from an OTLP ExportTraceServiceRequest, straight from
- * its protobuf wire bytes.
+/* OTLP trace requests on the wire: the facts kvmiss reads from an ExportTraceServiceRequest,
+ * straight from its protobuf bytes, and the same bytes with the verdicts written in.
  *
- * The C twin of `SpanReader.scanner` (enricher/spans.py, the reference: read it first, the
- * rules are stated there once). This file exists for issue #5's throughput target: the
- * Python reader pays a upb wrapper object and a getattr for every attribute key and value it
- * looks at (~2.5k instructions per attribute, ~400 per element of a 64-block hash chain);
- * here a key costs a hash and a memcmp, and only the spans that carry an attribute of
- * interest produce a Python object at all. tests/enricher/test_span_scan.py checks the two
- * agree on random requests, including encodings only a hostile sender would write.
+ * The C twin of `SpanReader.scanner` and of `upsert_marked` / `strip_marked` on the parsed
+ * message (enricher/spans.py, the reference: read it first, the rules are stated there
+ * once). This file exists for issue #5's throughput target: the Python reader pays a upb
+ * wrapper object and a getattr for every attribute key and value it looks at (~2.5k
+ * instructions per attribute, ~400 per element of a 64-block hash chain), and writing into
+ * the message then serializing it again costs as much as parsing it; here a key costs a
+ * hash and a memcmp, only the spans that carry an attribute of interest produce a Python
+ * object at all, and only the messages around an edited span are re-encoded.
+ * tests/enricher/test_span_scan.py checks both against the reference on random requests,
+ * including encodings only a hostile sender would write.
  *
  * The receiver has already parsed the same bytes with upb (which validated UTF-8, nesting
- * and lengths), so this scanner never decides whether a request is valid. It only has to
+ * and lengths), so this file never decides whether a request is valid. It only has to
  * agree with what upb made of the bytes, and where protobuf's merge rules would make the
  * two differ it does not try: a repeated singular message field (KeyValue.value), a second
  * AnyValue oneof member, a known field with an unexpected wire type, a group -- `scan`
- * then returns None and the caller reads the parsed message instead. A value whose type the fact does not take directly (an int sent as a string, an
- * array with a non-int or nested element...) is left to the reference rules per span: the span's
- * entry carries None instead of its values.
+ * then returns None and the caller reads the parsed message instead. A value whose type
+ * the fact does not take directly (an int sent as a string, an array with a non-int or
+ * nested element...) is left to the reference rules per span: the span's entry carries
+ * None instead of its values.
  *
  * Scanner(keys, entries, facts, lookup_name):
  *   keys     tuple of str: every attribute name of interest
@@ -29,6 +33,9 @@
  *    start_time_unix_nano, is engine lookup)
  * for each span with at least one attribute of interest, in wire order; or None.
  * count_spans(body) -> (spans, spans with a trace id not 16 bytes or a span id not 8) | None
+ * rewrite(body, edits) -> bytes, edits a list of (resource, scope, span index, attribute
+ *   positions to delete (ascending), Span.attributes bytes to append), in wire order, one per
+ *   span; ValueError for an edit that does not fit.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -633,6 +640,241 @@ static PyObject *count_spans(PyObject *module, PyObject *arg) {
     return Py_BuildValue("(nn)", ctx.spans, ctx.invalid);
 }
 
+/* --- rewriting: the received bytes with the verdicts written and raw inputs removed ------- */
+
+/* An output buffer; a sub-message whose length changes is written after a 10-byte gap for
+ * its length prefix, then moved down to close it (the payload is copied once more). */
+typedef struct {
+    uint8_t *buf;
+    Py_ssize_t len, cap;
+} Out;
+
+static int out_put(Out *o, const void *data, Py_ssize_t n) {
+    if (o->len + n > o->cap) {
+        Py_ssize_t cap = o->cap * 2 > o->len + n ? o->cap * 2 : o->len + n + 4096;
+        uint8_t *grown = PyMem_Realloc(o->buf, (size_t)cap);
+        if (!grown) {
+            PyErr_NoMemory();
+            return FAIL;
+        }
+        o->buf = grown;
+        o->cap = cap;
+    }
+    if (n)
+        memcpy(o->buf + o->len, data, (size_t)n);
+    o->len += n;
+    return OK;
+}
+
+static int put_varint(Out *o, uint64_t v) {
+    uint8_t tmp[10];
+    int n = 0;
+    while (v > 0x7F) {
+        tmp[n++] = (uint8_t)(v & 0x7F) | 0x80;
+        v >>= 7;
+    }
+    tmp[n++] = (uint8_t)v;
+    return out_put(o, tmp, n);
+}
+
+/* Opens field ``field``'s sub-message: its tag, then room for the length. Returns where the
+ * room starts (for `close_message`), or -1. */
+static Py_ssize_t open_message(Out *o, uint32_t field) {
+    static const uint8_t room[10] = {0};
+    if (put_varint(o, (uint64_t)field << 3 | WT_LEN) != OK)
+        return -1;
+    Py_ssize_t at = o->len;
+    return out_put(o, room, 10) == OK ? at : -1;
+}
+
+static void close_message(Out *o, Py_ssize_t at) {
+    Py_ssize_t start = at + 10, n = o->len - start;
+    uint8_t tmp[10];
+    int k = 0;
+    uint64_t v = (uint64_t)n;
+    while (v > 0x7F) {
+        tmp[k++] = (uint8_t)(v & 0x7F) | 0x80;
+        v >>= 7;
+    }
+    tmp[k++] = (uint8_t)v;
+    memmove(o->buf + at + k, o->buf + start, (size_t)n);
+    memcpy(o->buf + at, tmp, (size_t)k);
+    o->len = at + k + n;
+}
+
+/* One span's edit: delete these attribute positions (ascending), append these bytes. */
+typedef struct {
+    Py_ssize_t r, s, i;
+    PyObject *deletes; /* tuple of int */
+    Py_buffer append;
+} Edit;
+
+typedef struct {
+    Edit *edits;
+    Py_ssize_t n, next;
+} Edits;
+
+/* The span with the edit's attributes deleted and its new ones placed right after the last
+ * attribute (before the first later field when it has none), where the parsed message's
+ * serialization puts them: the same bytes as upb's for a canonically encoded span. */
+static int rewrite_span(Out *o, Cursor c, const Edit *e) {
+    const uint8_t *insert_at = NULL; /* the new attributes go in before this byte */
+    Cursor pass = c;
+    while (pass.p < pass.end) {
+        const uint8_t *field_start = pass.p;
+        uint32_t field;
+        int wt;
+        if (read_tag(&pass, &field, &wt) != OK || skip(&pass, wt) != OK)
+            return BAIL;
+        if (field == 9)
+            insert_at = pass.p;
+        else if (field > 9 && !insert_at)
+            insert_at = field_start;
+    }
+    Py_ssize_t attribute = 0, k = 0, n_deletes = PyTuple_GET_SIZE(e->deletes);
+    Py_ssize_t skip_at = n_deletes ? PyLong_AsSsize_t(PyTuple_GET_ITEM(e->deletes, 0)) : -1;
+    int appended = 0;
+    while (c.p < c.end) {
+        if (c.p == insert_at) {
+            if (out_put(o, e->append.buf, e->append.len) != OK)
+                return FAIL;
+            appended = 1;
+        }
+        const uint8_t *field_start = c.p;
+        uint32_t field;
+        int wt;
+        if (read_tag(&c, &field, &wt) != OK || skip(&c, wt) != OK) /* (checked by the first pass) */
+            return BAIL;
+        if (field == 9 && attribute++ == skip_at) {
+            k++;
+            skip_at = k < n_deletes ? PyLong_AsSsize_t(PyTuple_GET_ITEM(e->deletes, k)) : -1;
+            continue;
+        }
+        if (out_put(o, field_start, c.p - field_start) != OK)
+            return FAIL;
+    }
+    if (k != n_deletes) { /* a position past the span's attributes */
+        PyErr_SetString(PyExc_ValueError, "an attribute position to delete is not in the span");
+        return FAIL;
+    }
+    return appended ? OK : out_put(o, e->append.buf, e->append.len);
+}
+
+/* Copies message ``c`` (at ``level``: 0 request, 1 ResourceSpans, 2 ScopeSpans) field by
+ * field, rewriting the children that hold an edited span; ``path`` is the (r, s) so far. */
+static int rewrite_level(Out *o, Cursor c, int level, Py_ssize_t r, Py_ssize_t s, Edits *ed) {
+    uint32_t child_field = level == 0 ? 1 : 2;
+    Py_ssize_t index = 0;
+    while (c.p < c.end) {
+        const uint8_t *field_start = c.p;
+        uint32_t field;
+        int wt;
+        Cursor sub;
+        if (read_tag(&c, &field, &wt) != OK)
+            return BAIL;
+        if (field != child_field || wt != WT_LEN) {
+            if (skip(&c, wt) != OK || out_put(o, field_start, c.p - field_start) != OK)
+                return BAIL;
+            continue;
+        }
+        if (read_len(&c, &sub) != OK)
+            return BAIL;
+        Py_ssize_t at_index = index++;
+        const Edit *e = ed->next < ed->n ? &ed->edits[ed->next] : NULL;
+        int edited = e && (level == 0 ? e->r == at_index
+                                      : level == 1 ? e->r == r && e->s == at_index
+                                                   : e->r == r && e->s == s && e->i == at_index);
+        if (!edited) {
+            if (out_put(o, field_start, c.p - field_start) != OK)
+                return FAIL;
+            continue;
+        }
+        Py_ssize_t at = open_message(o, child_field);
+        if (at < 0)
+            return FAIL;
+        int rc;
+        if (level == 2) {
+            rc = rewrite_span(o, sub, e);
+            ed->next++;
+        } else {
+            rc = rewrite_level(o, sub, level + 1, level == 0 ? at_index : r, level == 1 ? at_index : s, ed);
+        }
+        if (rc != OK)
+            return rc;
+        close_message(o, at);
+    }
+    return OK;
+}
+
+static void edits_release(Edits *ed) {
+    for (Py_ssize_t k = 0; k < ed->n; k++) {
+        Py_XDECREF(ed->edits[k].deletes);
+        if (ed->edits[k].append.obj)
+            PyBuffer_Release(&ed->edits[k].append);
+    }
+    PyMem_Free(ed->edits);
+}
+
+static PyObject *rewrite(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_buffer view;
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "y*O!:rewrite", &view, &PyList_Type, &list))
+        return NULL;
+    Edits ed = {NULL, PyList_GET_SIZE(list), 0};
+    Out o = {NULL, 0, 0};
+    PyObject *result = NULL;
+    ed.edits = PyMem_Calloc((size_t)(ed.n ? ed.n : 1), sizeof(Edit));
+    if (!ed.edits) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < ed.n; k++) {
+        Edit *e = &ed.edits[k];
+        PyObject *deletes;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, k), "nnnO!y*:edit", &e->r, &e->s, &e->i, &PyTuple_Type, &deletes,
+                              &e->append))
+            goto done;
+        e->deletes = Py_NewRef(deletes);
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(deletes); d++) {
+            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(deletes, d));
+            Py_ssize_t prev = d ? PyLong_AsSsize_t(PyTuple_GET_ITEM(deletes, d - 1)) : -1;
+            if (pos < 0 || pos <= prev) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "positions to delete must be ascending, >= 0");
+                goto done;
+            }
+        }
+        if (k) { /* in wire order, one edit per span */
+            const Edit *p = &ed.edits[k - 1];
+            if (p->r > e->r || (p->r == e->r && (p->s > e->s || (p->s == e->s && p->i >= e->i)))) {
+                PyErr_SetString(PyExc_ValueError, "edits must be sorted by (resource, scope, span), one per span");
+                goto done;
+            }
+        }
+    }
+    o.cap = view.len + 4096;
+    o.buf = PyMem_Malloc((size_t)o.cap);
+    if (!o.buf) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Cursor c = {view.buf, (const uint8_t *)view.buf + view.len};
+    int rc = rewrite_level(&o, c, 0, -1, -1, &ed);
+    if (rc == BAIL) {
+        PyErr_SetString(PyExc_ValueError, "not an ExportTraceServiceRequest this scanner reads");
+    } else if (rc == OK && ed.next != ed.n) {
+        PyErr_SetString(PyExc_ValueError, "an edit names a span that is not in the request");
+    } else if (rc == OK) {
+        result = PyBytes_FromStringAndSize((const char *)o.buf, o.len);
+    }
+done:
+    PyMem_Free(o.buf);
+    edits_release(&ed);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 /* --- the type ---------------------------------------------------------------------------- */
 
 static void Scanner_dealloc(Scanner *self) {
@@ -730,7 +972,7 @@ static PyMethodDef Scanner_methods[] = {
 };
 
 static PyTypeObject ScannerType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvmiss.enricher._spanscan.Scanner",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvmiss.enricher._otlpwire.Scanner",
     .tp_basicsize = sizeof(Scanner),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Reads kvmiss's span facts from OTLP protobuf bytes (see enricher/spans.py).",
@@ -743,18 +985,20 @@ static PyTypeObject ScannerType = {
 static PyMethodDef module_methods[] = {
     {"count_spans", (PyCFunction)count_spans, METH_O,
      "count_spans(body) -> (spans, spans with a bad trace or span id length), or None"},
+    {"rewrite", (PyCFunction)rewrite, METH_VARARGS,
+     "rewrite(body, edits) -> bytes; edits: [(resource, scope, span, deletes, append)] in wire order"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvmiss.enricher._spanscan",
-    .m_doc = "OTLP span scanner on the wire bytes (see enricher/spans.py for the reference rules).",
+    .m_name = "kvmiss.enricher._otlpwire",
+    .m_doc = "OTLP trace requests on the wire: span facts read, verdicts written (see enricher/spans.py).",
     .m_size = -1,
     .m_methods = module_methods,
 };
 
-PyMODINIT_FUNC PyInit__spanscan(void) {
+PyMODINIT_FUNC PyInit__otlpwire(void) {
     if (PyType_Ready(&ScannerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
