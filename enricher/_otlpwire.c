@@ -666,15 +666,19 @@ static int out_put(Out *o, const void *data, Py_ssize_t n) {
     return OK;
 }
 
-static int put_varint(Out *o, uint64_t v) {
-    uint8_t tmp[10];
+static inline int encode_varint(uint8_t tmp[10], uint64_t v) {
     int n = 0;
     while (v > 0x7F) {
         tmp[n++] = (uint8_t)(v & 0x7F) | 0x80;
         v >>= 7;
     }
     tmp[n++] = (uint8_t)v;
-    return out_put(o, tmp, n);
+    return n;
+}
+
+static int put_varint(Out *o, uint64_t v) {
+    uint8_t tmp[10];
+    return out_put(o, tmp, encode_varint(tmp, v));
 }
 
 /* Opens field ``field``'s sub-message: its tag, then room for the length. Returns where the
@@ -690,13 +694,7 @@ static Py_ssize_t open_message(Out *o, uint32_t field) {
 static void close_message(Out *o, Py_ssize_t at) {
     Py_ssize_t start = at + 10, n = o->len - start;
     uint8_t tmp[10];
-    int k = 0;
-    uint64_t v = (uint64_t)n;
-    while (v > 0x7F) {
-        tmp[k++] = (uint8_t)(v & 0x7F) | 0x80;
-        v >>= 7;
-    }
-    tmp[k++] = (uint8_t)v;
+    int k = encode_varint(tmp, (uint64_t)n);
     memmove(o->buf + at + k, o->buf + start, (size_t)n);
     memcpy(o->buf + at, tmp, (size_t)k);
     o->len = at + k + n;
