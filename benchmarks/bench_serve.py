@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         spy = None
         if args.profile == "py-spy":
             spy = subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(serve.pid), "--format", "speedscope",
-                                    "-o", str(profile_out), "--rate", "200", "--threads"], stdout=subprocess.DEVNULL)
+                                    "-o", str(profile_out), "--rate", "200", "--threads", "--nonblocking"], stdout=subprocess.DEVNULL)
             procs.append(spy)
 
         gen_conn, child_conn = ctx.Pipe()

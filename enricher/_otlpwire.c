@@ -28,7 +28,8 @@
  *   facts    tuple of str: fact names (the keys of the values dicts)
  *   lookup_name  bytes: the span name that marks an engine lookup span
  * Scanner.scan(body) -> list of
- *   (resource index, scope index, span index, trace id, values dict | None,
+ *   (resource index, scope index, span index, trace id, values dict | None (a block-hash
+ *    chain in it as array('Q')),
  *    marks list of (attribute position, key) | None, attribute count, raw-mark count,
  *    start_time_unix_nano, is engine lookup)
  * for each span with at least one attribute of interest, in wire order; or None.
@@ -121,6 +122,8 @@ static inline int skip(Cursor *c, int wt) {
         return BAIL;
     }
 }
+
+static PyObject *array_type; /* array.array, for block-hash chains */
 
 static inline uint64_t load64(const uint8_t *p) {
     uint64_t v;
@@ -250,9 +253,12 @@ static int next_element(Cursor *c, Any *any) {
     return 0;
 }
 
-/* Every element of an ArrayValue as an int (int64, or its uint64 two's complement); *value
- * stays NULL when an element is not an int or the array is empty (the reference rules
- * decide then). One pass into a buffer (on the stack for a chain of up to 256 blocks). */
+/* Every element of an ArrayValue as an int: a list of int64 (token ids), or for a block-hash
+ * chain an ``array('Q')`` of their uint64 two's complements (what the verdict reads of a
+ * chain is its length and one or two elements; 64 Python ints per request were the scan's
+ * largest cost and as much again to free). *value stays NULL when an element is not an int
+ * or the array is empty (the reference rules decide then). One pass into a buffer (on the
+ * stack for a chain of up to 256 blocks). */
 static int int_array(Cursor array, int unsigned_, PyObject **value) {
     uint64_t local[256];
     uint64_t *ints = local;
@@ -284,13 +290,18 @@ static int int_array(Cursor array, int unsigned_, PyObject **value) {
     }
     if (!count)
         goto done;
+    if (unsigned_) { /* a block-hash chain: one array('Q'), not a Python int per block */
+        *value = PyObject_CallFunction(array_type, "Cy#", 'Q', (const char *)ints, count * (Py_ssize_t)sizeof(uint64_t));
+        rc = *value ? OK : FAIL;
+        goto done;
+    }
     PyObject *list = PyList_New(count);
     if (!list) {
         rc = FAIL;
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *n = unsigned_ ? PyLong_FromUnsignedLongLong(ints[i]) : PyLong_FromLongLong((int64_t)ints[i]);
+        PyObject *n = PyLong_FromLongLong((int64_t)ints[i]);
         if (!n) {
             Py_DECREF(list);
             rc = FAIL;
@@ -998,6 +1009,13 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__otlpwire(void) {
     if (PyType_Ready(&ScannerType) < 0)
+        return NULL;
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (!array_module)
+        return NULL;
+    array_type = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    if (!array_type)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 import os
 import struct
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -40,7 +40,7 @@ class SpanFacts(msgspec.Struct, kw_only=True):
     route_policy: str | None = None
     predicted_cached_tokens: int | None = None
     instance: str | None = None
-    block_hashes: list[int] | None = None
+    block_hashes: Sequence[int] | None = None  # a list, or from the wire scanner an array('Q')
     token_ids: list[int] | None = None
     extra_keys: str | None = None
     extra_key_kinds: list[str] | None = None

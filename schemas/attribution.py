@@ -106,7 +106,9 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     worker: str | None = None  # chosen worker id (collector's id); None when not routed/known
     dp_rank: int | None = None
     lookup_time: float | None = None  # engine-clock seconds of the first cache probe
-    block_hashes: list[int] | None = None  # the request's full-block chain, canonical uint64
+    # The request's full-block chain, canonical uint64: a list, or (read from OTLP bytes in C)
+    # an array('Q') -- only its length and elements are read.
+    block_hashes: list[int] | None = None
     extra_key_kinds: tuple[str, ...] = ()  # lora, cache_salt, mm, prompt_embeds
     transfers: tuple[TransferAttempt, ...] = ()
     instance_hint: str | None = None  # e.g. resource service.instance.id

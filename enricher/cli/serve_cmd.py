@@ -113,6 +113,10 @@ async def _serve(config) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    # Everything alive now (modules, the config, the service's own structures) lives as long
+    # as the process: frozen, the collector's full walks skip it (gc.freeze, CPython >= 3.7).
+    gc.collect()
+    gc.freeze()
     logging.getLogger("kvmiss.serve").info(
         "kvmiss serve: OTLP grpc :%s http :%s, metrics :%s",
         service.receivers.grpc_port, service.receivers.http_port, service.metrics_port)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+from array import array
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
@@ -250,12 +251,13 @@ def test_a_chain_reads_as_uint64_and_token_ids_as_int64():
     span = request.resource_spans.add().scope_spans.add().spans.add(trace_id=b"\x01" * 16, span_id=b"\x02" * 8,
                                                                     name=names.PREFIX_LOOKUP_SPAN)
     for key in ("kvmiss.block_hashes", "kvmiss.token_ids"):
-        array = span.attributes.add(key=key).value.array_value
+        values = span.attributes.add(key=key).value.array_value.values
         for n in (-1, 0, 2**63 - 1, -(2**63)):
-            array.values.add().int_value = n
+            values.add().int_value = n
     reader = S.SpanReader()
     (hit,) = S.WireScanner(reader._scan_table(reader.raw_names())).scan(request.SerializeToString())
-    assert hit[4] == {"block_hashes": [2**64 - 1, 0, 2**63 - 1, 2**63], "token_ids": [-1, 0, 2**63 - 1, -(2**63)]}
+    assert hit[4] == {"block_hashes": array("Q", [2**64 - 1, 0, 2**63 - 1, 2**63]),
+                      "token_ids": [-1, 0, 2**63 - 1, -(2**63)]}
     assert hit[5] == [(0, "kvmiss.block_hashes"), (1, "kvmiss.token_ids")] and hit[6:8] == (2, 2)
     assert hit[9] is True  # the plugin's lookup span
 
