@@ -66,6 +66,15 @@ typedef struct {
 } Cursor;
 
 static inline int read_varint(Cursor *c, uint64_t *out) {
+    if (c->p < c->end && *c->p < 0x80) { /* one byte: every tag here, most lengths */
+        *out = *c->p++;
+        return OK;
+    }
+    if (c->end - c->p >= 2 && c->p[1] < 0x80) { /* two: lengths up to 16 KiB */
+        *out = (uint64_t)(c->p[0] & 0x7F) | (uint64_t)c->p[1] << 7;
+        c->p += 2;
+        return OK;
+    }
     uint64_t v = 0;
     for (int shift = 0; shift < 64; shift += 7) {
         if (c->p >= c->end)
