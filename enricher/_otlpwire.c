@@ -34,6 +34,8 @@
  *    start_time_unix_nano, is engine lookup)
  * for each span with at least one attribute of interest, in wire order; or None.
  * count_spans(body) -> (spans, spans with a trace id not 16 bytes or a span id not 8) | None
+ * encode_attributes(values) -> the Span.attributes bytes of str -> str/int/bool/float, or None
+ *   for anything else (the Python encoder decides).
  * rewrite(body, edits) -> bytes, edits a list of (resource, scope, span index, attribute
  *   positions to delete (ascending), Span.attributes bytes to append), in wire order, one per
  *   span; ValueError for an edit that does not fit.
@@ -893,6 +895,96 @@ done:
     return result;
 }
 
+/* --- encoding output attributes ----------------------------------------------------------- */
+
+/* Appends field ``field`` (length-delimited) holding ``n`` bytes at ``data``. */
+static int put_bytes_field(Out *o, uint32_t field, const void *data, Py_ssize_t n) {
+    if (put_varint(o, (uint64_t)field << 3 | WT_LEN) != OK || put_varint(o, (uint64_t)n) != OK)
+        return FAIL;
+    return out_put(o, data, n);
+}
+
+/* An AnyValue's fields for ``value``: 1 written, 0 a type left to Python, -1 an error. */
+static int put_any(Out *o, PyObject *value) {
+    PyTypeObject *type = Py_TYPE(value);
+    if (type == &PyUnicode_Type) {
+        Py_ssize_t n;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(value, &n);
+        if (!utf8) { /* a lone surrogate: Python's encoder raises what it raises */
+            PyErr_Clear();
+            return 0;
+        }
+        return put_bytes_field(o, 1, utf8, n) == OK ? 1 : -1;
+    }
+    if (type == &PyBool_Type) {
+        uint8_t b[2] = {0x10, value == Py_True};
+        return out_put(o, b, 2) == OK ? 1 : -1;
+    }
+    if (type == &PyLong_Type) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow)
+            return 0; /* outside int64: Python's encoder refuses it */
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        uint8_t tag = 0x18;
+        return out_put(o, &tag, 1) == OK && put_varint(o, (uint64_t)v) == OK ? 1 : -1;
+    }
+    if (type == &PyFloat_Type) {
+        uint8_t b[9] = {0x21};
+        double d = PyFloat_AS_DOUBLE(value);
+        memcpy(b + 1, &d, 8);
+        return out_put(o, b, 9) == OK ? 1 : -1;
+    }
+    return 0;
+}
+
+/* ``values`` (str -> str / int / bool / float) as Span.attributes wire bytes, or None where a
+ * key or value is of another type (or not encodable): `spans.encode_attributes` then
+ * decides, with the same rules. */
+static PyObject *encode_attributes(PyObject *module, PyObject *values) {
+    (void)module;
+    if (!PyDict_Check(values)) {
+        PyErr_SetString(PyExc_TypeError, "encode_attributes takes a dict");
+        return NULL;
+    }
+    Out o = {NULL, 0, 0}, kv = {NULL, 0, 0};
+    PyObject *key, *value, *result = NULL;
+    Py_ssize_t pos = 0;
+    int handled = 1;
+    while (handled && PyDict_Next(values, &pos, &key, &value)) {
+        Py_ssize_t n;
+        const char *utf8 = Py_TYPE(key) == &PyUnicode_Type ? PyUnicode_AsUTF8AndSize(key, &n) : NULL;
+        if (!utf8) {
+            PyErr_Clear();
+            handled = 0;
+            break;
+        }
+        kv.len = 0;
+        if (put_bytes_field(&kv, 1, utf8, n) != OK) /* KeyValue.key */
+            goto done;
+        Py_ssize_t at = open_message(&kv, 2); /* KeyValue.value */
+        if (at < 0)
+            goto done;
+        int rc = put_any(&kv, value);
+        if (rc < 0)
+            goto done;
+        handled = rc;
+        close_message(&kv, at);
+        if (handled && put_bytes_field(&o, 9, kv.buf, kv.len) != OK) /* Span.attributes */
+            goto done;
+    }
+    if (!handled) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = PyBytes_FromStringAndSize(o.buf ? (const char *)o.buf : "", o.len);
+    }
+done:
+    PyMem_Free(o.buf);
+    PyMem_Free(kv.buf);
+    return result;
+}
+
 /* --- the type ---------------------------------------------------------------------------- */
 
 static void Scanner_dealloc(Scanner *self) {
@@ -1003,6 +1095,8 @@ static PyTypeObject ScannerType = {
 static PyMethodDef module_methods[] = {
     {"count_spans", (PyCFunction)count_spans, METH_O,
      "count_spans(body) -> (spans, spans with a bad trace or span id length), or None"},
+    {"encode_attributes", (PyCFunction)encode_attributes, METH_O,
+     "encode_attributes(values) -> Span.attributes bytes, or None for a type left to Python"},
     {"rewrite", (PyCFunction)rewrite, METH_VARARGS,
      "rewrite(body, edits) -> bytes; edits: [(resource, scope, span, deletes, append)] in wire order"},
     {NULL, NULL, 0, NULL},

@@ -38,7 +38,7 @@ from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.privacy import DigestKey, load_digest_key
 from kvmiss.enricher.otlp import ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.enricher.receiver import Receivers, parse_listen
-from kvmiss.enricher.spans import SpanReader
+from kvmiss.enricher.spans import WIRE_SCAN, SpanReader
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
 from kvmiss.schemas.config import Config
 
@@ -124,6 +124,11 @@ class Service:
             on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True)
         if self.journal is not None:
             self.pipeline.stats.lost_on_restart = self.journal.lost_on_restart
+        if not WIRE_SCAN:
+            log.warning("!!! OTLP requests are read and written through parsed messages only: "
+                        "enricher/_otlpwire.c was not built (no C compiler at install time, or "
+                        "KVMISS_PURE_PYTHON_OTLP=1): several us more CPU per span (benchmarks/RESULTS.md). Reinstall kvmiss "
+                        "with a C compiler present. !!!")
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there
         self.registry = CollectorRegistry()
         self.registry.register(KvmissCollector(

@@ -456,8 +456,9 @@ try:
         raise ImportError("KVMISS_PURE_PYTHON_OTLP=1")
     from kvmiss.enricher._otlpwire import Scanner as _Scanner
     from kvmiss.enricher._otlpwire import rewrite as _rewrite
+    from kvmiss.enricher._otlpwire import encode_attributes as _encode_c
 except ImportError:
-    _Scanner = _rewrite = None
+    _Scanner = _rewrite = _encode_c = None
 
 WIRE_SCAN = _Scanner is not None  # whether enricher/_otlpwire.c was built and is used
 _FACTS = tuple(_CONVERTERS)  # the C scanner's fact indexes -> names (its values dicts' keys)
@@ -714,8 +715,14 @@ def _any_value(value: Any) -> bytes | None:
 
 def encode_attributes(values: dict[str, Any]) -> bytes:
     """``values`` as Span.attributes wire bytes (raises `NotEncodable` or an encoding error
-    where `_set` would not build the same message). Whole entries of str and int values are
-    cached per key (a bounded dict each): labels, owners, reasons, small counts repeat."""
+    where `_set` would not build the same message). In C when every key is a str and every
+    value a str, int (in int64), bool or float (enricher/_otlpwire.c); otherwise here, where
+    whole entries of str and int values are cached per key (a bounded dict each): labels,
+    owners, reasons, small counts repeat."""
+    if _encode_c is not None:
+        data = _encode_c(values)
+        if data is not None:
+            return data
     parts = []
     varints = _VARINTS
     for key, value in values.items():

@@ -62,6 +62,7 @@ def _check(config) -> int:
 
     from kvmiss.enricher.privacy import DigestKeyError, load_digest_key
     from kvmiss.enricher.residency_table import ACCELERATED
+    from kvmiss.enricher.spans import WIRE_SCAN
 
     privacy = config.privacy
     if privacy.digest_key or privacy.digest_key_env:
@@ -90,6 +91,7 @@ def _check(config) -> int:
         *(f"  {w.id}: {w.sub_endpoint()} (replay {w.replay_address() or 'none'})" for w in config.workers),
         f"protobuf backend: {api_implementation.Type()}",
         f"residency table: {'compiled' if ACCELERATED else 'pure-Python reference model (slow)'}",
+        f"OTLP wire path: {'compiled' if WIRE_SCAN else 'parsed messages only (slower)'}",
         "configuration OK",
     ]
     print("\n".join(lines))

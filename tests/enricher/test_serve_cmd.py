@@ -10,6 +10,8 @@ import time
 
 from zmq_ports import free_port
 
+from kvmiss.enricher.spans import WIRE_SCAN
+
 
 def test_json_logs_are_one_object_per_line_and_sigterm_stops_cleanly(tmp_path):
     config = tmp_path / "k.toml"
@@ -69,6 +71,7 @@ def test_check_validates_without_opening_a_socket_and_never_prints_the_key(tmp_p
     assert "w1: tcp://10.0.0.7:5559 (replay tcp://10.0.0.7:5560)" in done.stdout  # ports offset by rank
     assert "export: grpc://127.0.0.1:4319" in done.stdout and "key id " in done.stdout
     assert "check-test-secret" not in done.stdout + done.stderr
+    assert ("OTLP wire path: compiled" if WIRE_SCAN else "OTLP wire path: parsed messages only") in done.stdout
 
 
 def test_check_fails_on_what_start_up_would_fail_on(tmp_path):

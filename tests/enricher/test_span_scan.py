@@ -13,6 +13,7 @@ sent before another."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import struct
 from array import array
@@ -415,3 +416,31 @@ def test_an_edit_that_does_not_fit_the_body_is_refused():
             S.rewrite_request(body, edits)
     with pytest.raises(TypeError):
         S.rewrite_request(body, [(0, 0, 0, [0], b"")])
+
+
+any_output_value = (st.text() | st.integers(-(2**64), 2**64) | st.booleans() | st.floats(allow_nan=False)
+                    | st.sampled_from([math.nan, -0.0, "\ud800", "é"]) | st.lists(st.text(max_size=3), max_size=2))
+
+
+@compiled
+@SETTINGS
+@given(st.dictionaries(st.text(max_size=20) | st.sampled_from(list(names.OUTPUTS)), any_output_value, max_size=10))
+def test_the_compiled_attribute_encoder_writes_what_the_python_one_writes_or_leaves_it_to_it(values):
+    from kvmiss.enricher._otlpwire import encode_attributes as encode_c
+
+    fast = encode_c(values)
+    saved = S._encode_c
+    S._encode_c = None  # the Python encoder alone
+    try:
+        try:
+            reference = S.encode_attributes(values)
+        except (S.NotEncodable, UnicodeError):
+            reference = None
+    finally:
+        S._encode_c = saved
+    if fast is not None:
+        assert fast == reference
+    simple = all(type(k) is str and (type(v) in (str, bool, float) or (type(v) is int and -(2**63) <= v < 2**63))
+                 for k, v in values.items())
+    surrogate = any("\ud800" in x for k, v in values.items() for x in (k, v) if type(x) is str)
+    assert (fast is not None) == (simple and not surrogate)
