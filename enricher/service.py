@@ -102,9 +102,12 @@ class Service:
         self.clock_bounds = (-history.clock_skew_s, history.clock_skew_s + history.publish_delay_s)
         self._skewed: set[str] = set()  # workers last seen out of bound, for the log
         self._clocks: dict[str, ClockOffset] = {}  # worker -> its clock at the last lag seen
+        # Each worker's clock for the judging round under way (`drain`): the fleet view asks
+        # for every worker of every request, and the lags move far slower than a round.
+        self._round_clocks: dict[str, ClockOffset] = {}
         self.attributor = Attributor(self.index, self.digest_key,
                                      aged_out_as_recent_match=config.history.aged_out_as_recent_match,
-                                     clocks=self.worker_clock)
+                                     clocks=self._round_clocks.get)
         # Filled on the collector thread, drained in order on the loop (the index's thread).
         self.feed = IndexFeed(self.index, clock)
         self.fleet = Fleet(config.workers, self._on_stream_action,
@@ -168,17 +171,29 @@ class Service:
         if not self.feed.put(worker, action):
             log.info("worker %s: %s", worker, _describe(action))
 
+    def drain(self) -> None:
+        """Before a judging round (a request received, a tick, shutdown): the index takes
+        every batch the collector handed over, and each worker's clock is read once."""
+        self.feed.drain()
+        clocks = self._round_clocks
+        for worker in self.fleet.streams:
+            clock = self.worker_clock(worker)
+            if clock is None:
+                clocks.pop(worker, None)
+            else:
+                clocks[worker] = clock
+
     def worker_clock(self, worker: str) -> ClockOffset | None:
-        """A worker's engine clock against ours when a request is judged (loop thread): the
-        sliding minimum of its live batches' receive lags, which the collector thread keeps
-        in its stream health (one float, written whole), against `clock_bounds`. None until
-        a live batch was received. A worker crossing the bound either way is logged once."""
+        """A worker's engine clock against ours for a judging round (loop thread, `drain`):
+        the sliding minimum of its live batches' receive lags, which the collector thread
+        keeps in its stream health (one float, written whole), against `clock_bounds`. None
+        until a live batch was received. A worker crossing the bound either way is logged once."""
         stream = self.fleet.streams.get(worker)
         lag = stream.health.receive_lag_min_s if stream is not None else None
         if lag is None:
             return None
-        # Asked for every worker of every request's fleet view, while the window's minimum
-        # changes rarely: the same lag gives back the same ClockOffset, with nothing to log.
+        # Asked for every worker at every round, while the window's minimum changes rarely:
+        # the same lag gives back the same ClockOffset, with nothing to log.
         known = self._clocks.get(worker)
         if known is not None and known.lag_s == lag:
             return known
@@ -221,7 +236,7 @@ class Service:
         await self.receivers.shutdown(grace=min(5.0, timeout))
         if self._ticker is not None:
             self._ticker.cancel()
-        self.feed.drain()
+        self.drain()
         self.pipeline.poll(final=True)
         for queue in self.queues:
             await queue.shutdown(timeout)
@@ -233,7 +248,7 @@ class Service:
 
     async def _tick_forever(self) -> None:
         while True:
-            self.feed.drain()
+            self.drain()
             self.pipeline.poll(self.clock())
             await asyncio.sleep(TICK_S)
 
@@ -241,7 +256,7 @@ class Service:
         """The receivers' consumer: the pipeline, which judges on arrival, after the index has
         taken every batch the collector handed over, so a request whose history is here does
         not wait for the next tick."""
-        self.feed.drain()
+        self.drain()
         result = await self.pipeline.consume(request, body)
         if result.outcome is Outcome.ACCEPTED and self.journal is not None:
             # Before the answer reaches the sender, and before the spans can leave (they

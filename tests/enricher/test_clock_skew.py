@@ -60,7 +60,7 @@ class Engines:
         """A lookup time on ``worker``'s clock, between two of its steps."""
         t = self.now + self.offset[worker] - 0.05
         self.steps(1)
-        self.svc.feed.drain()
+        self.svc.drain()  # as before every judging round
         return t
 
 
