@@ -60,7 +60,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchlib import free_port, percentile, process_cpu_s, set_attr, start_sink
+from benchlib import free_port, machine_cpu_s, percentile, process_cpu_s, set_attr, start_sink
 
 SPANS_PER_BATCH = 512
 REQUESTS_PER_BATCH = SPANS_PER_BATCH // 4
@@ -339,6 +339,7 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
 
         cpu0 = process_cpu_s(kvmiss_pid)
         others0 = {name: process_cpu_s(pid) for name, pid in neighbours.items()}
+        machine0 = machine_cpu_s()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(concurrency, 64))) as session:
             if rate_batches_s:  # open loop: a POST every 1/rate s whatever the previous did
                 tasks = []
@@ -358,6 +359,7 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
         return {"batches": len(sent), "delivered": sum(b in arrived for b in sent), "statuses": statuses,
                 "elapsed_s": end - start, "kvmiss_cpu_s": process_cpu_s(kvmiss_pid) - cpu0,
                 "others_cpu_s": {name: process_cpu_s(pid) - others0[name] for name, pid in neighbours.items()},
+                "machine_cpu_s": {k: v - machine0[k] for k, v in machine_cpu_s().items()},
                 "e2e_ms": [(arrived[b] - sent[b]) * 1e3 for b in sent if b in arrived],
                 "ack_ms": [(acked[b] - sent[b]) * 1e3 for b in acked]}
 
@@ -624,8 +626,10 @@ def report(args, results, metrics, tally, population_s, pop_batches, all_batches
         print(line)
         if name == "via_saturated":  # where the two cores went while kvmiss was saturated
             cores = {"kvmiss": r["kvmiss_cpu_s"], **r["others_cpu_s"]}
+            machine = r["machine_cpu_s"]
             print("  cores busy, saturated: " + ", ".join(f"{n} {c / r['elapsed_s']:.2f}" for n, c in cores.items())
-                  + f" (of {os.cpu_count()})")
+                  + f"; whole machine busy {machine['busy'] / r['elapsed_s']:.2f}, stolen by the hypervisor "
+                  f"{machine['steal'] / r['elapsed_s']:.2f}, idle {machine['idle'] / r['elapsed_s']:.2f} (of {os.cpu_count()})")
     base, via = results["direct_paced"]["e2e_ms"], results["via_paced"]["e2e_ms"]
     rated = results["via_rated"]["e2e_ms"]
     print(f"added latency, paced: p50 {statistics.median(via) - statistics.median(base):.2f} ms, "

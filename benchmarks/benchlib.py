@@ -38,6 +38,17 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu_s() -> dict[str, float]:
+    """CPU seconds of the whole machine since boot, by state (/proc/stat): ``busy`` (user,
+    nice, system, irq, softirq), ``steal`` (taken by the hypervisor for other guests: a
+    shared VM's neighbours), ``idle`` (idle + iowait)."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = (values + [0] * 8)[:8]
+    return {"busy": (user + nice + system + irq + softirq) / tick, "steal": steal / tick, "idle": (idle + iowait) / tick}
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
