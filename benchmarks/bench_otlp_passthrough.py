@@ -197,7 +197,7 @@ async def kvmiss_side(args) -> None:
     from google.protobuf.internal import api_implementation
 
     from kvmiss.enricher.exporter import ExportQueue, HttpExporter
-    from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
+    from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, Outcome, span_count
     from kvmiss.enricher.receiver import Receivers
     from kvmiss.schemas.config import OtlpConfig
 
@@ -209,7 +209,9 @@ async def kvmiss_side(args) -> None:
             n = span_count(request)
             if not self.queue.has_capacity(n):
                 return ConsumeResult(Outcome.RETRYABLE, message="export queue full", retry_after_s=1.0)
-            self.queue.put(request, n)
+            # As received: the bytes when the receiver kept them (as the pipeline hands on a
+            # rewritten request), else the message (serialized by the exporter).
+            self.queue.put(EncodedRequest(body, n) if body is not None else request, n)
             return ACCEPTED
 
     context = multiprocessing.get_context("spawn")
