@@ -6,7 +6,10 @@ and reported, never raised. Writing upserts the output attributes (a replayed sp
 gets a label twice) and strips raw prompt material before export.
 
 Works on the protobuf messages of ``opentelemetry.proto`` directly (the receiver forwards
-the request it received; converting to SDK spans would be lossy and slow). The same reader
+the request it received; converting to SDK spans would be lossy and slow). These are the
+reference rules; `WireScanner`, `rewrite_request` and the C half of `encode_attributes` are
+their compiled twin on the request's wire bytes (enricher/_otlpwire.c), which hands back to
+them whatever it does not take. The same reader
 also takes an SDK span's attribute mapping (`SpanReader.read_attributes`, for the in-process
 exporter, enricher/inprocess.py): both unwrap values to Python and share one set of rules.
 """
