@@ -36,7 +36,7 @@ from kvmiss.schemas.events import BlockStored
 
 # Whole requests cost more to draw than single spans: fewer of them (KVMISS_FUZZ_EXAMPLES still rules).
 REQUEST_SETTINGS = settings(SETTINGS, max_examples=int(os.environ.get("KVMISS_FUZZ_EXAMPLES", 100)))
-compiled = pytest.mark.skipif(not S.WIRE_SCAN, reason="the C span scanner was not built (no compiler at install)")
+compiled = pytest.mark.skipif(not S.WIRE_SCAN, reason="the compiled OTLP wire path is not in use (not built, or KVMISS_PURE_PYTHON_OTLP=1)")
 
 
 def test_the_compiled_scanner_is_built_where_ci_requires_it():
@@ -324,7 +324,7 @@ def test_the_pipeline_exports_the_same_bytes_whether_it_works_on_the_bytes_or_th
 
 def test_the_scanner_refuses_a_table_it_cannot_hold():
     if not S.WIRE_SCAN:
-        pytest.skip("the C span scanner was not built")
+        pytest.skip("the compiled OTLP wire path is not in use")
     from kvmiss.enricher._otlpwire import Scanner
 
     with pytest.raises(ValueError, match="twice"):
