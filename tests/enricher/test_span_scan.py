@@ -36,7 +36,8 @@ from kvmiss.schemas.events import BlockStored
 
 # Whole requests cost more to draw than single spans: fewer of them (KVMISS_FUZZ_EXAMPLES still rules).
 REQUEST_SETTINGS = settings(SETTINGS, max_examples=int(os.environ.get("KVMISS_FUZZ_EXAMPLES", 100)))
-compiled = pytest.mark.skipif(not S.WIRE_SCAN, reason="the compiled OTLP wire path is not in use (not built, or KVMISS_PURE_PYTHON_OTLP=1)")
+compiled = pytest.mark.skipif(not S.WIRE_SCAN,
+                              reason="the compiled OTLP wire path is not in use (not built, or KVMISS_PURE_PYTHON_OTLP=1)")
 
 
 def test_the_compiled_scanner_is_built_where_ci_requires_it():
