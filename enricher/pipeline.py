@@ -37,7 +37,7 @@ from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, JudgedRequest
                                      incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.spans import (_OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
+from kvmiss.enricher.spans import (OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
                                   encode_attributes, rewrite_request, strip_marked, upsert_attributes, upsert_marked,
                                   verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
@@ -430,7 +430,7 @@ class Pipeline:
         batch = fragment.batch
         if batch.body is not None:
             marks = fragment.marks
-            if marks is not WRITTEN and _OUTPUT_NAMES.issuperset(values):
+            if marks is not WRITTEN and OUTPUT_NAMES.issuperset(values):
                 try:
                     data = encode_attributes(values)
                 except (NotEncodable, UnicodeError):

@@ -229,7 +229,7 @@ _ACCESS = {_str: _STR, _int: _INT, _float: _FLOAT, _hash_list: _HASHES, _int_lis
 # What a scanned attribute is besides (maybe) an input: raw prompt material to strip, or an
 # output kvmiss writes (upserted). Spans are marked with the positions of both.
 _MARK_RAW, _MARK_OUTPUT = 1, 2
-_OUTPUT_NAMES = frozenset(names.OUTPUTS)
+OUTPUT_NAMES = frozenset(names.OUTPUTS)  # what kvmiss writes (SPANS.md): upserted, never duplicated
 _MISSING = object()
 
 
@@ -328,10 +328,10 @@ class SpanReader:
         """Attribute name -> (fact or None, rank, how its value is taken, mark flags): every
         name a scan looks at, for both scanners (`scanner`, `wire_scanner`)."""
         table: dict[str, tuple[str | None, int, int, int]] = {}
-        for attr in sorted(self._lookup.keys() | drop | _OUTPUT_NAMES):
+        for attr in sorted(self._lookup.keys() | drop | OUTPUT_NAMES):
             fact, rank = self._lookup.get(attr, (None, 0))
             access = _ACCESS.get(_CONVERTERS[fact], _OTHER) if fact is not None else _OTHER
-            mark = (_MARK_RAW if attr in drop else 0) | (_MARK_OUTPUT if attr in _OUTPUT_NAMES else 0)
+            mark = (_MARK_RAW if attr in drop else 0) | (_MARK_OUTPUT if attr in OUTPUT_NAMES else 0)
             table[attr] = (fact, rank, access, mark)
         return table
 
@@ -641,7 +641,7 @@ def upsert_marked(span: Any, values: dict[str, Any], marks: Marks | None, drop: 
     changed since (``marks`` as `SpanReader.scan` returned them): only the marked positions
     are looked at. Falls back to the scanning version if the span changed after all, or
     for a key that is not an output name (only those are marked)."""
-    if not _OUTPUT_NAMES.issuperset(values):
+    if not OUTPUT_NAMES.issuperset(values):
         upsert_attributes(span, values, drop=drop)
         return
     if marks is not None:
