@@ -535,58 +535,48 @@ static int scan_span(const Scanner *s, Cursor c, PyObject *out, Py_ssize_t r, Py
     return rc;
 }
 
+/* The next child message of one level of the request -> ResourceSpans -> ScopeSpans -> Span
+ * walk: field ``child`` (length-delimited), other fields skipped, except that ``sibling`` (the
+ * level's own sub-message: Resource, InstrumentationScope; 0 for none) must be one too.
+ * 1 with *out set, 0 at the end, -1 for an encoding not modelled. */
+static int next_child(Cursor *c, uint32_t child, uint32_t sibling, Cursor *out) {
+    while (c->p < c->end) {
+        uint32_t field;
+        int wt;
+        if (read_tag(c, &field, &wt) != OK)
+            return -1;
+        if (field == child) {
+            return wt == WT_LEN && read_len(c, out) == OK ? 1 : -1;
+        }
+        if ((field == sibling && wt != WT_LEN) || skip(c, wt) != OK)
+            return -1;
+    }
+    return 0;
+}
+
 /* Walks request -> ResourceSpans (field 1) -> ScopeSpans (2) -> Span (2), calling
  * ``on_span`` for each span; a known field with another wire type is not modelled. */
 typedef int (*SpanFn)(void *ctx, Cursor span, Py_ssize_t r, Py_ssize_t s, Py_ssize_t i);
 
 static int walk(Cursor c, SpanFn on_span, void *ctx) {
-    Py_ssize_t r = 0;
-    while (c.p < c.end) {
-        uint32_t field;
-        int wt;
-        Cursor rs;
-        if (read_tag(&c, &field, &wt) != OK)
-            return BAIL;
-        if (field != 1) {
-            if (skip(&c, wt) != OK)
-                return BAIL;
-            continue;
-        }
-        if (wt != WT_LEN || read_len(&c, &rs) != OK)
-            return BAIL;
-        Py_ssize_t sc = 0;
-        while (rs.p < rs.end) {
-            Cursor ss;
-            if (read_tag(&rs, &field, &wt) != OK)
-                return BAIL;
-            if (field != 2) {
-                if ((field == 1 && wt != WT_LEN) || skip(&rs, wt) != OK)
-                    return BAIL;
-                continue;
-            }
-            if (wt != WT_LEN || read_len(&rs, &ss) != OK)
-                return BAIL;
-            Py_ssize_t i = 0;
-            while (ss.p < ss.end) {
-                Cursor span;
-                if (read_tag(&ss, &field, &wt) != OK)
-                    return BAIL;
-                if (field != 2) {
-                    if ((field == 1 && wt != WT_LEN) || skip(&ss, wt) != OK)
-                        return BAIL;
-                    continue;
-                }
-                if (wt != WT_LEN || read_len(&ss, &span) != OK)
-                    return BAIL;
-                int rc = on_span(ctx, span, r, sc, i++);
+    Cursor rs, ss, span;
+    int more;
+    for (Py_ssize_t r = 0; (more = next_child(&c, 1, 0, &rs)) == 1; r++) {
+        int more_scopes;
+        for (Py_ssize_t sc = 0; (more_scopes = next_child(&rs, 2, 1, &ss)) == 1; sc++) {
+            int more_spans;
+            for (Py_ssize_t i = 0; (more_spans = next_child(&ss, 2, 1, &span)) == 1; i++) {
+                int rc = on_span(ctx, span, r, sc, i);
                 if (rc != OK)
                     return rc;
             }
-            sc++;
+            if (more_spans < 0)
+                return BAIL;
         }
-        r++;
+        if (more_scopes < 0)
+            return BAIL;
     }
-    return OK;
+    return more < 0 ? BAIL : OK;
 }
 
 typedef struct {

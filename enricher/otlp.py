@@ -91,16 +91,16 @@ def request_message(request: OtlpRequest) -> ExportTraceServiceRequest:
     return ExportTraceServiceRequest.FromString(request.body) if type(request) is EncodedRequest else request
 
 
-try:  # the compiled walk over a request's bytes (enricher/_otlpwire.c); see enricher/spans.py
-    if os.environ.get("KVMISS_PURE_PYTHON_OTLP") == "1":
+try:  # OTLP requests on the wire in C (enricher/_otlpwire.c; its users: here and enricher/spans.py)
+    if os.environ.get("KVMISS_PURE_PYTHON_OTLP") == "1":  # to rule the compiled path in or out
         raise ImportError("KVMISS_PURE_PYTHON_OTLP=1")
-    from kvmiss.enricher._otlpwire import count_spans as _count_spans
-except ImportError:
-    _count_spans = None
+    from kvmiss.enricher import _otlpwire as WIRE
+except ImportError:  # not built (no C compiler at install time): parsed messages only
+    WIRE = None
 
 
 def count_spans(body: bytes) -> tuple[int, int] | None:
     """(spans, spans whose trace id is not 16 bytes or span id not 8) of an encoded
     ``ExportTraceServiceRequest``, read in C from the bytes; None without the extension or
     for an encoding it does not model (then count the parsed message)."""
-    return None if _count_spans is None else _count_spans(body)
+    return None if WIRE is None else WIRE.count_spans(body)

@@ -38,8 +38,8 @@ from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, JudgedRequest
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
 from kvmiss.enricher.spans import (OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
-                                  encode_attributes, rewrite_request, strip_marked, upsert_attributes, upsert_marked,
-                                  verdict_attributes)
+                                  delete_attributes, encode_attributes, rewrite_request, strip_marked, upsert_attributes,
+                                  upsert_marked, verdict_attributes)
 from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
@@ -168,14 +168,13 @@ class Pipeline:
             return ConsumeResult(Outcome.RETRYABLE, message="kvmiss pending buffer is full",
                                  retry_after_s=1.0)
         self.stats.spans_in += spans
-        batch = PendingBatch(request, spans)
+        hits = None if body is None or self._wire is None else self._wire.scan(body)
+        batch = PendingBatch(request, spans, None if hits is None else body)  # with it: written as edits to it
         now = self.clock()
         touched: dict[bytes, None] = {}  # trace ids this request fed, in arrival order
-        hits = None if body is None or self._wire is None else self._wire.scan(body)
         if hits is None:
             self._take_spans(request, batch, now, touched)
         else:
-            batch.body = body  # written as edits to these bytes
             self._take_hits(request, hits, batch, now, touched)
         self.pending_spans += spans
         if batch.waiting == 0:
@@ -436,9 +435,7 @@ class Pipeline:
                 except (NotEncodable, UnicodeError):
                     pass  # as the message would refuse it: there
                 else:
-                    drop = self.drop
-                    deletes = () if marks is None else tuple(
-                        i for i, key in marks.at if key in values or key in drop)
+                    deletes = () if marks is None else marks.positions(self.drop, values)
                     batch.edits.append((*fragment.at, deletes, data))
                     fragment.marks = WRITTEN
                     return
@@ -453,7 +450,7 @@ class Pipeline:
     def _release(self, batch: PendingBatch) -> None:
         drop = self.drop
         if batch.body is not None:
-            strips = [(*fragment.at, tuple(i for i, key in fragment.marks.at if key in drop), b"")
+            strips = [(*fragment.at, fragment.marks.positions(drop), b"")
                       for fragment in batch.carriers  # every span with a raw input, marked by `_take`
                       if fragment.marks is not WRITTEN]  # (a written span was stripped then)
             # In wire order, one edit per span: a written span is never stripped again.
@@ -492,9 +489,7 @@ class Pipeline:
         request = batch.request
         for r, s, i, deletes, data in batch.edits:
             span = _span_at(request, (r, s, i))
-            attributes = span.attributes
-            for position in reversed(deletes):
-                del attributes[position]
+            delete_attributes(span.attributes, deletes)
             span.MergeFromString(data)
         batch.body = None
         batch.edits = []

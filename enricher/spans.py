@@ -17,7 +17,6 @@ exporter, enricher/inprocess.py): both unwrap values to Python and share one set
 from __future__ import annotations
 
 import operator
-import os
 import struct
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -25,6 +24,7 @@ import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as _SpanType
 
+from kvmiss.enricher.otlp import WIRE
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import TransferAttempt, TransferResult, Verdict
 from kvmiss.schemas.events import MASK64
@@ -241,6 +241,11 @@ class Marks(msgspec.Struct):
     count: int
     raw: int
 
+    def positions(self, drop: frozenset[str], values: Mapping[str, Any] = {}) -> tuple[int, ...]:  # noqa: B006
+        """The marked positions a write removes, ascending: raw inputs in ``drop`` and the
+        outputs ``values`` replaces (what `strip_marked` / `upsert_marked` delete)."""
+        return tuple(i for i, key in self.at if key in drop or key in values)
+
 
 class SpanReader:
     """Reads `SpanFacts` from spans: OTLP protobuf spans (`read`, `instance_of`) or the
@@ -454,14 +459,9 @@ class SpanReader:
 
 # --- the compiled twin of `SpanReader.scanner`: a whole request's wire bytes in one C call ---------
 
-try:
-    if os.environ.get("KVMISS_PURE_PYTHON_OTLP") == "1":  # to rule the C scanner in or out
-        raise ImportError("KVMISS_PURE_PYTHON_OTLP=1")
-    from kvmiss.enricher._otlpwire import Scanner as _Scanner
-    from kvmiss.enricher._otlpwire import rewrite as _rewrite
-    from kvmiss.enricher._otlpwire import encode_attributes as _encode_c
-except ImportError:
-    _Scanner = _rewrite = _encode_c = None
+_Scanner = None if WIRE is None else WIRE.Scanner
+_rewrite = None if WIRE is None else WIRE.rewrite
+_encode_c = None if WIRE is None else WIRE.encode_attributes
 
 WIRE_SCAN = _Scanner is not None  # whether enricher/_otlpwire.c was built and is used
 _FACTS = tuple(_CONVERTERS)  # the C scanner's fact indexes -> names (its values dicts' keys)
@@ -593,13 +593,13 @@ def upsert_attributes(span: Any, values: dict[str, Any], *, drop: Iterable[str] 
     keys in ``drop``. Keys stay unique (OTLP requires it)."""
     remove = set(values) | set(drop)
     attributes = span.attributes
-    _delete(attributes, [i for i, kv in enumerate(attributes) if kv.key in remove])
+    delete_attributes(attributes, [i for i, kv in enumerate(attributes) if kv.key in remove])
     _append(span, values)
 
 
-def _delete(attributes: Any, indexes: list[int]) -> None:
-    """Delete in place, from the end so earlier indexes stay valid: ~2x cheaper than
-    copying the kept attributes into a new list."""
+def delete_attributes(attributes: Any, indexes: Sequence[int]) -> None:
+    """Delete the attributes at ``indexes`` (ascending) in place, from the end so earlier
+    indexes stay valid: ~2x cheaper than copying the kept attributes into a new list."""
     for i in reversed(indexes):
         del attributes[i]
 
@@ -607,7 +607,7 @@ def _delete(attributes: Any, indexes: list[int]) -> None:
 def strip_raw_inputs(span: Any, drop: frozenset[str]) -> None:
     """Remove the attributes in ``drop`` (`SpanReader.raw_names`) from a span before export."""
     attributes = span.attributes
-    _delete(attributes, [i for i, kv in enumerate(attributes) if kv.key in drop])
+    delete_attributes(attributes, [i for i, kv in enumerate(attributes) if kv.key in drop])
 
 
 # --- the same, for a span `SpanReader.scan` has marked -------------------------------------------
