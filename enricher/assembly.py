@@ -28,6 +28,7 @@ import msgspec
 from kvmiss.enricher.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
 from kvmiss.schemas.prompt import ExtraKeysSpec
 from kvmiss.enricher.spans import SpanFacts
+from kvmiss.enricher.verdict import lookup_limit_tokens
 from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
 
 
@@ -69,7 +70,10 @@ class Assembly(msgspec.Struct):
     request_id: str | None
     first_seen: float
     fragments: list[Fragment] = msgspec.field(default_factory=list)
-    done: bool = False
+    done: bool = False  # closed to new fragments of other requests: joined, judged, or waiting
+    # Its facts are complete and it waits for the fleet's history: a later span of the same
+    # request still joins it (and leaves with it), never starts a second judgement.
+    awaiting_history: bool = False
 
     def merged(self) -> SpanFacts:
         """Field by field, the first fragment that has a value wins -- except that an engine
@@ -201,51 +205,71 @@ def join_target(assembly: Assembly, trace: dict[str | None, Assembly]) -> Assemb
     return None
 
 
+class Judged(msgspec.Struct, array_like=True, gc=False):
+    """One judged request, remembered so later spans of it are not judged again: its ids,
+    the span that carries its verdict and that verdict's attributes (as items: a re-sent
+    copy of the span gets them again)."""
+
+    request_ids: tuple[str, ...]
+    span_id: bytes
+    verdict: tuple[tuple[str, Any], ...]
+
+
 class JudgedRequests:
-    """Request ids judged recently, by trace (bounded, oldest trace forgotten first).
+    """Requests judged recently, by trace: for ``keep_s`` after judging (and at most
+    ``max_traces`` traces, the oldest forgotten first and counted in ``forgotten_early``).
 
-    Lets a late partner pass through instead of being judged a second time: an engine lookup
-    whose request was already judged from a router span, or an ``llm_request`` span whose
-    lookup was judged alone. A span whose own id was judged (a re-sent span) is not a late
-    partner: it is judged again, as before."""
+    A span that arrives after its request was judged is never judged again (ATTRIBUTION:
+    one verdict per request): a copy of the span that carries the verdict (the same span id:
+    a re-send) gets the same verdict; any other span of the request -- the same request id,
+    or an id one extends at a ``-`` (a router and vLLM's ``llm_request`` share vLLM's id, the
+    plugin's lookup span extends it) -- passes through without one. Two requests of one
+    trace with unrelated ids stay two requests.
 
-    def __init__(self, max_traces: int = 20_000):
+    Pure: the pipeline passes the time in."""
+
+    def __init__(self, keep_s: float = 60.0, max_traces: int = 262_144):
+        self.keep_s = keep_s
         self.max_traces = max_traces
-        # trace id -> its judged ids: a str (one, the common case) or a tuple of them. Not
-        # sets: this holds up to max_traces entries for a long time, and a str or a tuple
-        # of str is no work for the cyclic GC (a set is traversed by every full collection,
-        # and thousands of new ones trigger full collections).
-        self._by_trace: collections.OrderedDict[bytes, str | tuple[str, ...]] = collections.OrderedDict()
+        self.forgotten_early = 0  # traces dropped by the count bound before keep_s
+        # trace id -> (judged at, its judged requests), oldest judging first.
+        self._by_trace: collections.OrderedDict[bytes, tuple[float, tuple[Judged, ...]]] = collections.OrderedDict()
 
-    def add(self, assembly: Assembly) -> None:
+    def add(self, assembly: Assembly, span_id: bytes, verdict: dict[str, Any], now: float) -> None:
         ids = assembly.request_ids()
         if not ids:
             return
+        judged = Judged(tuple(sorted(ids)), span_id, tuple(verdict.items()))
         trace_id = assembly.trace_id
-        known = self._by_trace.get(trace_id)
-        if known is None:
-            self._by_trace[trace_id] = next(iter(ids)) if len(ids) == 1 else tuple(sorted(ids))
-            if len(self._by_trace) > self.max_traces:
-                self._by_trace.popitem(last=False)
-        else:
-            self._by_trace[trace_id] = tuple(sorted(_ids(known) | ids))
+        known = self._by_trace.pop(trace_id, None)
+        self._by_trace[trace_id] = (now, (judged,) if known is None else known[1] + (judged,))
+        if len(self._by_trace) > self.max_traces:
+            self._by_trace.popitem(last=False)
+            self.forgotten_early += 1
 
-    def judged_partner(self, assembly: Assembly) -> bool:
+    def expire(self, now: float) -> None:
+        by_trace, horizon = self._by_trace, now - self.keep_s
+        while by_trace:
+            trace_id, (at, _) = next(iter(by_trace.items()))
+            if at >= horizon:
+                break
+            del by_trace[trace_id]
+
+    def judged_request(self, assembly: Assembly) -> Judged | None:
+        """The judged request of the same trace that ``assembly``'s spans belong to."""
         known = self._by_trace.get(assembly.trace_id)
-        if not known:
-            return False
-        known = _ids(known)
+        if known is None:
+            return None
         mine = assembly.request_ids()
-        if not mine or mine & known:
-            return False
-        return any(ids_related(a, b) or ids_related(b, a) for a in mine for b in known)
+        for judged in known[1]:
+            for a in mine:
+                for b in judged.request_ids:
+                    if ids_related(a, b) or ids_related(b, a):
+                        return judged
+        return None
 
     def __len__(self) -> int:
         return len(self._by_trace)
-
-
-def _ids(known: str | tuple[str, ...]) -> set[str]:
-    return {known} if type(known) is str else set(known)
 
 
 class MissingFacts(msgspec.Struct, frozen=True):
@@ -282,6 +306,11 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
     lookup_time = m.get("lookup_time")
     if lookup_time is None:
         lookup_time = m.get("queue_lookup_time")
+        if lookup_time is None and block_size > 0 and cached_tokens < lookup_limit_tokens(prompt_tokens, block_size):
+            # A miss is judged against the index at its lookup time, and only a span can say
+            # when that was (a router's own, or vLLM's `llm_request`, which may come seconds
+            # later): wait for it, never judge from a guessed time.
+            return MissingFacts(("lookup_time",))
     return RequestFacts(
         request_id=assembly.request_id or m.get("request_id"),
         prompt_tokens=prompt_tokens,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, JudgedRequests, MissingFacts,
+from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
                                      incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.hashing import BlockHasher
@@ -105,6 +105,7 @@ class PipelineStats:
         self.spans_out = 0
         self.spans_refused = 0  # answered RETRYABLE (the sender keeps them)
         self.lost_on_restart = 0  # acknowledged by the previous run, never exported (journal)
+        self.resent_spans = 0  # copies of an enriched span that came again: the same verdict written
         self.unenriched: collections.Counter[str] = collections.Counter()  # by reason
         self.bad_attributes: collections.Counter[str] = collections.Counter()  # by attribute name
         self.verdicts: collections.Counter[tuple[Label, str, str]] = collections.Counter()
@@ -152,7 +153,9 @@ class Pipeline:
         self._open: collections.deque[Assembly] = collections.deque()  # in arrival order
         self._ready: list[tuple[Assembly, RequestFacts, float]] = []  # waiting for history
         self._reach: list[tuple[float, str]] | None = None  # per poll: see `_fleet_reach`
-        self._judged = JudgedRequests()  # so a late partner span is not judged twice
+        # So that a span arriving after its request was judged is not judged again: kept
+        # while a partner may still come (the other side's spans up to assemble_wait_s late).
+        self._judged = JudgedRequests(keep_s=2 * assemble_wait_s + history_wait_s)
 
     # --- intake ------------------------------------------------------------------------------
 
@@ -270,7 +273,7 @@ class Pipeline:
             trace = self._traces[trace_id] = {}
         request_id = facts.request_id
         assembly = trace.get(request_id)
-        if assembly is None or assembly.done:
+        if assembly is None or (assembly.done and not assembly.awaiting_history):
             assembly = trace[request_id] = Assembly(trace_id, request_id, now)
             self._open.append(assembly)
         assembly.fragments.append(fragment)
@@ -304,6 +307,7 @@ class Pipeline:
             else:
                 waiting.append((assembly, facts, since))
         self._ready = waiting
+        self._judged.expire(now)
         return judged
 
     def _assess(self, assembly: Assembly, now: float, final: bool) -> int | None:
@@ -316,9 +320,9 @@ class Pipeline:
             if trace.get(assembly.request_id) is assembly:
                 del trace[assembly.request_id]
             return 0
-        if self._judged.judged_partner(assembly):  # its request was judged without it
-            self.stats.unenriched["request_already_judged"] += 1
-            self._finish(assembly)
+        judged = self._judged.judged_request(assembly)
+        if judged is not None:  # its request was judged before this span came
+            self._late_spans(assembly, judged)
             return 0
         errors: list[str] = []
         facts = to_request_facts(assembly, hasher=self.hasher,
@@ -336,7 +340,7 @@ class Pipeline:
         if facts.worker is not None and facts.lookup_time is not None and not self._history_reached(facts):
             if not final:
                 self._ready.append((assembly, facts, now))
-                assembly.done = True  # no longer open for assembly
+                assembly.done = assembly.awaiting_history = True  # no longer open for other requests
                 return 0
         self._judge(assembly, facts, waited=0.0)
         return 1
@@ -378,12 +382,11 @@ class Pipeline:
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
         verdict = self.attributor.attribute(facts)
-        self._write(assembly.outcome_fragment(), verdict_attributes(verdict, facts.lookup_time))
+        self._settle(assembly, verdict_attributes(verdict, facts.lookup_time))
         key = self.metric_key(facts, verdict)
         self.stats.verdicts[key] += 1
         self.stats.missed_tokens[key] += verdict.missed_tokens
         self.stats.history_wait.observe(waited)
-        self._judged.add(assembly)
         if self.on_verdict is not None:
             self.on_verdict(facts, verdict, assembly.trace_id)
         self._finish(assembly)
@@ -406,8 +409,26 @@ class Pipeline:
     def _give_up(self, assembly: Assembly, missing: MissingFacts) -> None:
         """Facts never completed: the outcome span still goes out, labelled with the honest
         unknown and what was missing."""
-        self._write(assembly.outcome_fragment(), verdict_attributes(incomplete_verdict(missing)))
+        self._settle(assembly, verdict_attributes(incomplete_verdict(missing)))
         self.stats.unenriched["facts_incomplete"] += 1
+        self._finish(assembly)
+
+    def _settle(self, assembly: Assembly, values: dict[str, Any]) -> None:
+        """Write the request's verdict on its outcome span, and remember it: whatever span of
+        the request comes later is bound by it (`_late_spans`)."""
+        fragment = assembly.outcome_fragment()
+        self._write(fragment, values)
+        self._judged.add(assembly, self._span(fragment).span_id, values, self.clock())
+
+    def _late_spans(self, assembly: Assembly, judged: Judged) -> None:
+        """Spans of a request judged before they came: a copy of the verdict's own span (a
+        re-send) gets the same verdict again; any other passes through without one."""
+        for fragment in assembly.fragments:
+            if self._span(fragment).span_id == judged.span_id:
+                self._write(fragment, dict(judged.verdict))
+                self.stats.resent_spans += 1
+            else:
+                self.stats.unenriched["request_already_judged"] += 1
         self._finish(assembly)
 
     def _finish(self, assembly: Assembly) -> None:

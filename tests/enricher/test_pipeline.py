@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 from fleet_builders import H, WorkerFeed, removed, stored
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -49,7 +50,7 @@ def export_request(*spans: dict, instance: str | None = None) -> ExportTraceServ
         kv.key, kv.value.string_value = "service.instance.id", instance
     ss = rs.scope_spans.add()
     for i, spec in enumerate(spans):
-        span = ss.spans.add(trace_id=spec.pop("trace_id", TRACE), span_id=bytes([i + 1] * 8),
+        span = ss.spans.add(trace_id=spec.pop("trace_id", TRACE), span_id=spec.pop("span_id", os.urandom(8)),
                             name=spec.pop("name", "span"), start_time_unix_nano=spec.pop("start", 0))
         for key, value in spec.items():
             kv = span.attributes.add()
@@ -279,3 +280,160 @@ def test_history_waits_are_kept_as_a_fixed_size_histogram_whether_or_not_anyone_
         h.observe((i % 7) * 0.2)
     assert len(h.counts) == len(WAIT_BUCKETS) and h.total == 10_000
     assert h.counts[0] == len(range(0, 10_000, 7)) and h.counts[-1] == 10_000
+
+
+# --- one verdict per request: late, early, re-sent and same-id partner spans ---------------------
+
+
+def vllm_request_span(lookup: float = 1020.5, queue_s: float = 0.25, **extra) -> dict:
+    """vLLM's own ``llm_request``: the request id a router shares, prompt tokens, and the
+    time in queue from which the lookup time follows (no cached tokens)."""
+    return {"name": "llm_request", "gen_ai.request.id": "r1", "gen_ai.usage.prompt_tokens": 40,
+            "start": int((lookup - queue_s) * 1e9), "gen_ai.latency.time_in_queue": queue_s, **extra}
+
+
+def timed_request(*specs: dict) -> ExportTraceServiceRequest:
+    """`export_request`, with ``gen_ai.latency.time_in_queue`` as the double vLLM sends."""
+    doubles = [{k: spec.pop(k) for k in list(spec) if isinstance(spec[k], float)} for spec in specs]
+    request = export_request(*specs)
+    for span, extra in zip(request.resource_spans[0].scope_spans[0].spans, doubles):
+        for key, value in extra.items():
+            kv = span.attributes.add()
+            kv.key, kv.value.double_value = key, value
+    return request
+
+
+def labelled(sink: Sink) -> dict[str, str]:
+    return {s.name: attrs(s)["kvmiss.label"] for s in sink.spans() if "kvmiss.label" in attrs(s)}
+
+
+def test_a_router_span_without_lookup_time_waits_for_llm_request_and_takes_its_time():
+    index, _ = evicted_history()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, assemble_wait_s=15.0, judge_on_arrival=True)
+    router = router_span(**{"gen_ai.usage.input_tokens": 40})
+    del router["kvmiss.lookup_time_unix_nano"]
+    asyncio.run(pipe.consume(export_request(router)))
+    clock.t = 5.0
+    pipe.poll()
+    assert sink.requests == []  # a miss: it waits for the lookup time, never guesses one
+    clock.t = 6.0  # vLLM's batch exporter, seconds later
+    asyncio.run(pipe.consume(timed_request(vllm_request_span())))
+    pipe.poll()
+    assert labelled(sink) == {"router": "evicted"}  # one label, on the span with cached tokens
+    router_out = next(s for s in sink.spans() if s.name == "router")
+    assert attrs(router_out)["kvmiss.eviction_age_ms"] == 8500  # removed at 1012, lookup 1020.5
+    assert pipe.stats.spans_in == pipe.stats.spans_out == 2
+
+
+def test_llm_request_first_then_the_router_span_gives_one_label():
+    index, _ = evicted_history()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True)
+    asyncio.run(pipe.consume(timed_request(vllm_request_span())))
+    clock.t = 4.0
+    router = router_span()
+    del router["kvmiss.lookup_time_unix_nano"]
+    asyncio.run(pipe.consume(export_request(router)))
+    pipe.poll()
+    assert labelled(sink) == {"router": "evicted"}
+
+
+def test_a_router_span_whose_lookup_time_never_comes_is_unknown_naming_it():
+    index, _ = evicted_history()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, assemble_wait_s=3.0)
+    router = router_span(**{"gen_ai.usage.input_tokens": 40})
+    del router["kvmiss.lookup_time_unix_nano"]
+    asyncio.run(pipe.consume(export_request(router)))
+    clock.t = 3.0
+    pipe.poll()
+    a = attrs(sink.spans()[0])
+    assert a["kvmiss.label"] == "unknown_history" and "lookup_time" in a["kvmiss.reason"]
+
+
+def test_a_hit_judged_from_the_router_span_is_not_judged_again_when_llm_request_comes():
+    clock = Clock(0.0)
+    pipe, sink = make(ResidencyIndex(), clock, assemble_wait_s=15.0, judge_on_arrival=True)
+    hit = {"name": "router", "gen_ai.request.id": "r1", "gen_ai.usage.input_tokens": 40,
+           "gen_ai.usage.cache_read.input_tokens": 32, "kvmiss.route.worker": "A"}
+    asyncio.run(pipe.consume(export_request(hit)))
+    assert labelled(sink) == {"router": "hit"}  # needs no history and no lookup time
+    clock.t = 6.0
+    asyncio.run(pipe.consume(timed_request(vllm_request_span())))  # the same request id
+    clock.t = 30.0
+    pipe.poll()
+    assert labelled(sink) == {"router": "hit"}  # llm_request passed through, no second label
+    assert pipe.stats.unenriched["request_already_judged"] == 1
+    assert pipe.stats.unenriched["facts_incomplete"] == 0
+    assert pipe.stats.spans_in == pipe.stats.spans_out == 2
+
+
+def test_a_re_sent_copy_of_the_enriched_span_gets_the_same_verdict():
+    index, a = evicted_history()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True)
+    span_id = os.urandom(8)
+    asyncio.run(pipe.consume(export_request(router_span(span_id=span_id, **{"gen_ai.usage.input_tokens": 40}))))
+    first = attrs(sink.spans()[0])
+    assert first["kvmiss.label"] == "evicted"
+    for b in a.batches(range(30, 40), {31: [stored(H)]}):  # its recompute stored H again since
+        index.apply(b)
+    clock.t = 2.0
+    asyncio.run(pipe.consume(export_request(router_span(span_id=span_id, **{"gen_ai.usage.input_tokens": 40}))))
+    again = attrs(sink.spans()[1])
+    assert {k: v for k, v in again.items() if k.startswith("kvmiss.")} == \
+        {k: v for k, v in first.items() if k.startswith("kvmiss.")}
+    assert pipe.stats.resent_spans == 1 and sum(pipe.stats.verdicts.values()) == 1
+
+
+def test_a_partner_arriving_while_the_request_waits_for_history_leaves_with_it_unlabelled():
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 10), {5: [stored(H)]}):
+        index.apply(b)
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, history_wait_s=5.0, judge_on_arrival=True)
+    asyncio.run(pipe.consume(export_request(router_span(**{"gen_ai.usage.input_tokens": 40}))))
+    clock.t = 1.0
+    asyncio.run(pipe.consume(timed_request(vllm_request_span())))
+    assert sink.requests == []  # both held: one request, waiting for history
+    for b in a.batches(range(10, 25), {15: [removed(H)]}):
+        index.apply(b)
+    clock.t = 2.0
+    pipe.poll()
+    assert labelled(sink) == {"router": "evicted"} and len(sink.spans()) == 2
+    assert pipe.stats.unenriched["facts_incomplete"] == 0
+
+
+def test_two_requests_of_one_trace_with_unrelated_ids_stay_two_verdicts():
+    clock = Clock(0.0)
+    pipe, sink = make(ResidencyIndex(), clock, judge_on_arrival=True)
+    hit = {"name": "router", "gen_ai.usage.input_tokens": 40, "gen_ai.usage.cache_read.input_tokens": 32}
+    asyncio.run(pipe.consume(export_request({**hit, "gen_ai.request.id": "agent-step-1"})))
+    asyncio.run(pipe.consume(export_request({**hit, "gen_ai.request.id": "agent-step-2"})))
+    assert sum(pipe.stats.verdicts.values()) == 2 and pipe.stats.unenriched["request_already_judged"] == 0
+
+
+def test_judged_requests_expire_after_keep_s_and_are_bounded():
+    from kvmiss.enricher.assembly import Assembly, Fragment, JudgedRequests
+    from kvmiss.enricher.spans import SpanFacts
+
+    def assembly(trace: bytes, *ids: str) -> Assembly:
+        a = Assembly(trace, ids[0], 0.0)
+        a.fragments.extend(Fragment(SpanFacts(request_id=i), None, None) for i in ids)
+        return a
+
+    judged = JudgedRequests(keep_s=10.0, max_traces=2)
+    judged.add(assembly(b"t1", "r1"), b"s1", {"kvmiss.label": "hit"}, now=0.0)
+    judged.add(assembly(b"t1", "r2"), b"s2", {"kvmiss.label": "no_match"}, now=1.0)
+    assert judged.judged_request(assembly(b"t1", "r1")).span_id == b"s1"  # same id
+    assert judged.judged_request(assembly(b"t1", "r2-abcdefgh")).span_id == b"s2"  # extends it
+    assert judged.judged_request(assembly(b"t1", "x")) is None
+    assert judged.judged_request(assembly(b"t2", "r1")) is None  # another trace
+    judged.expire(10.5)
+    assert judged.judged_request(assembly(b"t1", "r1")) is not None  # t1 last judged at 1.0
+    judged.expire(11.5)
+    assert len(judged) == 0
+    for i, trace in enumerate((b"a", b"b", b"c")):
+        judged.add(assembly(trace, "r"), b"s", {}, now=20.0 + i)
+    assert len(judged) == 2 and judged.forgotten_early == 1

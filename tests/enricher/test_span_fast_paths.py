@@ -25,6 +25,7 @@ from kvmiss.enricher.assembly import ENGINE_FACTS, Assembly, Fragment, to_reques
 from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
+from kvmiss.enricher.verdict import lookup_limit_tokens
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import (Divergence, DivergenceKind, History, Label, Owner, TransferAttempt,
                                        TransferResult, Verdict, WindowStart)
@@ -401,8 +402,12 @@ def test_merging_set_fields_equals_copying_every_field(fragments):
     assert as_dict(assembly.merged()) == as_dict(merged_reference(assembly))
     reference = merged_reference(assembly)
     facts = to_request_facts(assembly, hasher=None, default_block_size=16, errors=[])
+    lookup = reference.lookup_time if reference.lookup_time is not None else reference.queue_lookup_time
     if reference.prompt_tokens is None or reference.cached_tokens is None:
         assert set(facts.missing) == {n for n in ("prompt_tokens", "cached_tokens") if getattr(reference, n) is None}
+    elif lookup is None and reference.cached_tokens < lookup_limit_tokens(reference.prompt_tokens,
+                                                                         reference.block_size or 16):
+        assert facts.missing == ("lookup_time",)  # a miss is judged at its lookup time, or waits
     else:
         assert facts.worker == (reference.worker or reference.resource_worker)
         assert facts.block_hashes == reference.block_hashes
@@ -467,25 +472,3 @@ def test_a_released_batch_leaves_no_reference_cycle_behind():
         assert held == []  # freed by reference counting alone: no cycle kept them
     finally:
         gc.enable()
-
-
-def test_judged_ids_kept_as_str_or_tuple_find_late_partners_as_sets_did():
-    from kvmiss.enricher.assembly import JudgedRequests
-
-    def assembly(trace: bytes, *ids: str | None) -> Assembly:
-        a = Assembly(trace, ids[0], 0.0)
-        a.fragments.extend(Fragment(S.SpanFacts(request_id=i), None, None) for i in ids)
-        return a
-
-    judged = JudgedRequests(max_traces=2)
-    judged.add(assembly(b"t1", "r1"))
-    judged.add(assembly(b"t1", "r2", "r3"))  # the same trace again: ids merge
-    judged.add(assembly(b"t2", None))  # no id: nothing kept
-    assert judged.judged_partner(assembly(b"t1", "r3-abcdefgh"))  # extends a judged id
-    assert judged.judged_partner(assembly(b"t1", "r1-abcdefgh"))
-    assert not judged.judged_partner(assembly(b"t1", "r2"))  # its own id: re-sent, judged again
-    assert not judged.judged_partner(assembly(b"t1", "x"))
-    assert not judged.judged_partner(assembly(b"t2", "r1-abcdefgh"))
-    judged.add(assembly(b"t3", "a"))
-    judged.add(assembly(b"t4", "b"))  # bounded: t1 forgotten first
-    assert len(judged) == 2 and not judged.judged_partner(assembly(b"t1", "r1-abcdefgh"))
