@@ -80,7 +80,8 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defa
     ownership: str | None = None
     session_id: str | None = None
     cache_salt: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    # vLLM 0.33 with EAGLE/MTP plus prefix caching: one list per block of these blocks.
+    lookahead_token_ids: list[list[int]] | None = None
     # Not on the wire: the raw digests when the publisher sent bytes instead of ints.
     block_digests: list[bytes] | None = None
 
@@ -242,6 +243,9 @@ def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str,
         out["extra_keys_unprintable"] = True
     if isinstance(event, BlockStored):
         tokens = event.tokens()
+        # Always shown: 0 is meaningful (offload connectors' placeholder stores), and the
+        # struct omits it as its default.
+        out["block_size"] = event.block_size
         out["num_tokens"] = len(tokens)
         out["token_ids"] = tokens if include_raw else None
         if event.cache_salt is not None:
@@ -253,7 +257,7 @@ def event_to_builtins(event: KVEvent, *, include_raw: bool = False) -> dict[str,
             out["has_extra_keys"] = True
         if event.lookahead_token_ids is not None and not include_raw:  # token ids too
             out["lookahead_token_ids"] = None
-            out["num_lookahead_tokens"] = len(event.lookahead_token_ids)
+            out["num_lookahead_tokens"] = sum(len(block) for block in event.lookahead_token_ids)
         if event.session_id is not None and not include_raw:  # may name a user's session
             out["session_id"] = None
             out["has_session_id"] = True

@@ -90,3 +90,24 @@ def test_main_dispatches_the_decode_subcommand(monkeypatch, capsysbinary):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(_line([b"kv", SEQ, STORED]))))
     assert main(["decode"]) == 0
     assert json.loads(capsysbinary.readouterr().out)["seq"] == 5
+
+
+# vLLM 0.33 with EAGLE/MTP plus prefix caching: ``lookahead_token_ids`` is one list per block.
+SPEC_DECODE = msgspec.msgpack.encode(
+    [9.5, [{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+            "token_ids": [3, 4, 5, 6], "block_size": 2, "lora_id": None, "medium": "GPU",
+            "lora_name": None, "lookahead_token_ids": [[7], [8]]},
+           # an offload connector's placeholder store: no tokens, block_size 0
+           {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": None, "token_ids": [],
+            "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}], 0]
+)
+
+
+def test_spec_decode_lookahead_lists_and_zero_block_size_placeholders_are_decoded_and_shown():
+    status, (out,) = run_decode(_line([b"kv", SEQ, SPEC_DECODE]))
+    assert status == 0
+    spec, placeholder = out["events"]
+    assert spec["num_lookahead_tokens"] == 2 and "lookahead_token_ids" not in spec  # hidden by default
+    assert placeholder["block_size"] == 0 and placeholder["num_tokens"] == 0  # shown, not dropped
+    status, (raw,) = run_decode(_line([b"kv", SEQ, SPEC_DECODE]), "--raw")
+    assert raw["events"][0]["lookahead_token_ids"] == [[7], [8]]

@@ -75,3 +75,30 @@ class TestSocketGuessing:
 
     def test_unknown_socket_kind_is_an_error(self):
         assert "unknown socket kind" in parse_any([b"", SEQ7, PAYLOAD], "pub").reason
+
+
+def test_vllm_033_spec_decode_batches_decode_with_their_per_block_lookahead_lists():
+    from kvmiss.schemas.events import BlockStored, decode_batch
+
+    payload = msgspec.msgpack.encode(
+        [1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+                "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None,
+                "lookahead_token_ids": [[5, 6], [7, 8]]}], None])
+    (event,) = decode_batch(payload).events
+    assert isinstance(event, BlockStored) and event.lookahead_token_ids == [[5, 6], [7, 8]]
+    assert event.block_hashes == [1, 2]
+
+
+def test_vllm_033_spec_decode_frames_built_with_vllms_own_classes_decode(tmp_path):
+    """vLLM's own structs where its wheel imports without the engine (a vLLM 0.33 venv)."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    from kvmiss.schemas.events import decode_batch
+
+    fields = kv_events.BlockStored.__struct_fields__
+    if "lookahead_token_ids" not in fields:
+        pytest.skip("this vLLM has no lookahead_token_ids (0.33+)")
+    stored = kv_events.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=2,
+                                   lora_id=None, medium="GPU", lora_name=None, lookahead_token_ids=[[5], [6]])
+    payload = msgspec.msgpack.encode(kv_events.KVEventBatch(ts=1.0, events=[stored], data_parallel_rank=0))
+    (event,) = decode_batch(payload).events
+    assert event.lookahead_token_ids == [[5], [6]]

@@ -103,7 +103,7 @@ def stored_fields(draw, hashes: st.SearchStrategy) -> dict:
         "ownership": draw(opt_str),
         "session_id": draw(opt_str),
         "cache_salt": draw(opt_str),
-        "lookahead_token_ids": draw(st.none() | st.lists(st.integers(0, 2**31), max_size=4)),
+        "lookahead_token_ids": draw(st.none() | st.lists(st.lists(st.integers(0, 2**31), max_size=3), max_size=4)),
     }
 
 

@@ -88,10 +88,10 @@ def test_decode_raw_prints_extra_keys_keyed_by_nil_bool_or_array(key):
 
 def test_decode_hides_lookahead_token_ids_unless_raw():
     """Was a leak, not a crash: lookahead token ids (vLLM 0.33) were printed without --raw."""
-    (event,) = decode_batch(mp([1.0, [stored(lookahead_token_ids=[123456789, 223456789])], 0])).events
+    (event,) = decode_batch(mp([1.0, [stored(lookahead_token_ids=[[123456789], [223456789]])], 0])).events
     hidden = event_to_builtins(event)
     assert "lookahead_token_ids" not in hidden and hidden["num_lookahead_tokens"] == 2
-    assert event_to_builtins(event, include_raw=True)["lookahead_token_ids"] == [123456789, 223456789]
+    assert event_to_builtins(event, include_raw=True)["lookahead_token_ids"] == [[123456789], [223456789]]
 
 
 def test_decode_an_input_line_nested_past_the_recursion_limit_is_an_error_line():
