@@ -66,7 +66,7 @@ from kvmiss.enricher.hashing import BlockHasher
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.privacy import DigestKey
 from kvmiss.enricher.handoff import IndexFeed
-from kvmiss.enricher.spans import SpanReader, verdict_attributes
+from kvmiss.enricher.spans import OUTPUT_NAMES, SpanReader, verdict_attributes
 from kvmiss.schemas.attribution import RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.inprocess")
@@ -233,7 +233,9 @@ class EnrichingSpanExporter(SpanExporter):
 
     def _copy(self, span: ReadableSpan, outputs: Mapping[str, Any]) -> ReadableSpan:
         """A new span: ``span``'s attributes less raw inputs, with ``outputs`` upserted."""
-        attributes = {k: v for k, v in span.attributes.items() if k not in self.drop and k not in outputs}
+        # A verdict replaces every output name the span had (`OUTPUT_NAMES`), not only its own.
+        replaced = OUTPUT_NAMES if outputs else ()
+        attributes = {k: v for k, v in span.attributes.items() if k not in self.drop and k not in replaced}
         attributes.update({k: tuple(v) if isinstance(v, list) else v for k, v in outputs.items()})
         return ReadableSpan(
             name=span.name, context=span.context, parent=span.parent, resource=span.resource,

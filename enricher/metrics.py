@@ -202,7 +202,13 @@ class KvmissCollector(Collector):
         waits = HistogramMetricFamily("kvmiss_history_wait_seconds", "How long requests waited for their worker's events.")
         buckets = [(str(b), c) for b, c in zip(WAIT_BUCKETS, h.counts)] + [("+Inf", h.total)]
         waits.add_metric([], buckets, h.sum)
-        yield from (received, exported, refused, lost, unenriched, bad, waits)
+        resent = CounterMetricFamily("kvmiss_spans_resent", "Copies of an enriched span that came again (a re-send): given the request's judged verdict, not judged again.")
+        resent.add_metric([], s.resent_spans)
+        foreign = CounterMetricFamily(
+            "kvmiss_foreign_outputs_replaced", "Output-named kvmiss.* attributes spans came with, removed when kvmiss wrote "
+            "its verdict: another enricher or a client writes into kvmiss's namespace, or enriched spans loop back.")
+        foreign.add_metric([], s.foreign_outputs)
+        yield from (received, exported, refused, lost, unenriched, bad, waits, resent, foreign)
         yield from self._connections(intake)
 
     def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:

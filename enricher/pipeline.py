@@ -106,6 +106,9 @@ class PipelineStats:
         self.spans_refused = 0  # answered RETRYABLE (the sender keeps them)
         self.lost_on_restart = 0  # acknowledged by the previous run, never exported (journal)
         self.resent_spans = 0  # copies of an enriched span that came again: the same verdict written
+        # Output-named attributes a span came with, replaced by kvmiss's verdict: a sign that two
+        # enrichers, or a client, write into kvmiss's namespace (or that enriched spans loop back).
+        self.foreign_outputs = 0
         self.unenriched: collections.Counter[str] = collections.Counter()  # by reason
         self.bad_attributes: collections.Counter[str] = collections.Counter()  # by attribute name
         self.verdicts: collections.Counter[tuple[Label, str, str]] = collections.Counter()
@@ -448,15 +451,17 @@ class Pipeline:
         are read), from its marks; a span written before is rescanned. In a batch written as
         edits to its bytes, the same as one edit (the marks name what to delete)."""
         batch = fragment.batch
+        marks = fragment.marks
+        if marks is not None and marks is not WRITTEN:
+            self.stats.foreign_outputs += marks.foreign_outputs()  # replaced below, on either path
         if batch.body is not None:
-            marks = fragment.marks
             if marks is not WRITTEN and OUTPUT_NAMES.issuperset(values):
                 try:
                     data = encode_attributes(values)
                 except (NotEncodable, UnicodeError):
                     pass  # as the message would refuse it: there
                 else:
-                    deletes = () if marks is None else marks.positions(self.drop, values)
+                    deletes = () if marks is None else marks.positions(self.drop, verdict=True)
                     batch.edits.append((*fragment.at, deletes, data))
                     fragment.marks = WRITTEN
                     return

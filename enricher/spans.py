@@ -241,10 +241,16 @@ class Marks(msgspec.Struct):
     count: int
     raw: int
 
-    def positions(self, drop: frozenset[str], values: Mapping[str, Any] = {}) -> tuple[int, ...]:  # noqa: B006
-        """The marked positions a write removes, ascending: raw inputs in ``drop`` and the
-        outputs ``values`` replaces (what `strip_marked` / `upsert_marked` delete)."""
-        return tuple(i for i, key in self.at if key in drop or key in values)
+    def positions(self, drop: frozenset[str], verdict: bool = False) -> tuple[int, ...]:
+        """The marked positions a write removes, ascending: raw inputs in ``drop`` and, when
+        a verdict is written, every output name the span came with -- whatever the new
+        verdict writes, the span leaves with kvmiss's outputs only (what `strip_marked` /
+        `upsert_marked` delete)."""
+        return tuple(i for i, key in self.at if key in drop or (verdict and key in OUTPUT_NAMES))
+
+    def foreign_outputs(self) -> int:
+        """How many output-named attributes the span came with (a verdict write replaces them)."""
+        return sum(1 for _, key in self.at if key in OUTPUT_NAMES)
 
 
 class SpanReader:
@@ -590,8 +596,11 @@ def verdict_attributes(verdict: Verdict, lookup_time: float | None = None) -> di
 
 def upsert_attributes(span: Any, values: dict[str, Any], *, drop: Iterable[str] = ()) -> None:
     """Set ``values`` on ``span`` replacing any attribute of the same key, and remove the
-    keys in ``drop``. Keys stay unique (OTLP requires it)."""
+    keys in ``drop``. Keys stay unique (OTLP requires it). Writing any output name (a
+    verdict) removes every output name the span had: no stale output stays beside it."""
     remove = set(values) | set(drop)
+    if not OUTPUT_NAMES.isdisjoint(values):
+        remove |= OUTPUT_NAMES
     attributes = span.attributes
     delete_attributes(attributes, [i for i, kv in enumerate(attributes) if kv.key in remove])
     _append(span, values)
@@ -649,8 +658,9 @@ def upsert_marked(span: Any, values: dict[str, Any], marks: Marks | None, drop: 
         if len(attributes) != marks.count:
             upsert_attributes(span, values, drop=drop)
             return
-        for i, key in reversed(marks.at):
-            if key in values or key in drop:
+        verdict = bool(values)
+        for i, key in reversed(marks.at):  # raw inputs in drop, and with a verdict every output name
+            if key in drop or (verdict and key in OUTPUT_NAMES):
                 if attributes[i].key != key:
                     upsert_attributes(span, values, drop=drop)  # what is left to delete
                     return

@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 
+import pytest
+
 from fleet_builders import H, WorkerFeed, removed, stored
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -14,6 +16,7 @@ from kvmiss.enricher.hashing import BlockHasher
 from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.otlp import Outcome
 from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.schemas import span_attributes as names
 
 TRACE = bytes(range(16))
 
@@ -437,3 +440,55 @@ def test_judged_requests_expire_after_keep_s_and_are_bounded():
     for i, trace in enumerate((b"a", b"b", b"c")):
         judged.add(assembly(trace, "r"), b"s", {}, now=20.0 + i)
     assert len(judged) == 2 and judged.forgotten_early == 1
+
+
+# --- an enriched span carries kvmiss's outputs only ------------------------------------------------
+
+
+def _enrich(span_spec: dict, *, wire: bool) -> tuple[dict, Pipeline]:
+    from kvmiss.enricher.spans import WIRE_SCAN
+
+    if wire and not WIRE_SCAN:
+        pytest.skip("the compiled wire path is not built")
+    index, _ = evicted_history()
+    pipe, sink = make(index, Clock(), judge_on_arrival=True)
+    request = export_request(dict(span_spec))
+    asyncio.run(pipe.consume(request, request.SerializeToString() if wire else None))
+    (span,) = [s for r in sink.requests for s in _spans_of(r)]
+    return {k: v for k, v in attrs(span).items() if k.startswith("kvmiss.") or k == "app.keep"}, pipe
+
+
+def _spans_of(request) -> list:
+    if not isinstance(request, ExportTraceServiceRequest):  # an EncodedRequest: written as bytes
+        parsed = ExportTraceServiceRequest()
+        parsed.ParseFromString(request.body)
+        request = parsed
+    return [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["message", "bytes"])
+@pytest.mark.parametrize("verdict", ["hit", "evicted"])
+@pytest.mark.parametrize("name", names.OUTPUTS)
+def test_every_stale_output_name_is_replaced_by_exactly_the_verdicts_own(name, verdict, wire):
+    span = router_span(**{"gen_ai.usage.input_tokens": 40, "app.keep": "yes"})
+    if verdict == "hit":
+        span["gen_ai.usage.cache_read.input_tokens"] = 32
+    clean, _ = _enrich(span, wire=wire)
+    foreign = {name: 4096 if name != names.LABEL else "hit", names.MISSED_TOKENS: 4096}
+    stale, pipe = _enrich({**span, **foreign}, wire=wire)
+    assert stale == clean  # exactly what kvmiss decided, whether or not the verdict writes the name
+    assert clean["kvmiss.label"] == verdict and clean["app.keep"] == "yes"
+    assert pipe.stats.foreign_outputs == len(foreign)
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["message", "bytes"])
+def test_a_span_kvmiss_does_not_enrich_keeps_its_kvmiss_attributes(wire):
+    from kvmiss.enricher.spans import WIRE_SCAN
+
+    if wire and not WIRE_SCAN:
+        pytest.skip("the compiled wire path is not built")
+    pipe, sink = make(ResidencyIndex(), Clock())
+    request = export_request({"name": "db", names.LABEL: "hit", names.MISSED_TOKENS: 7})
+    asyncio.run(pipe.consume(request, request.SerializeToString() if wire else None))
+    (span,) = [s for r in sink.requests for s in _spans_of(r)]
+    assert attrs(span) == {names.LABEL: "hit", names.MISSED_TOKENS: 7} and pipe.stats.foreign_outputs == 0

@@ -59,6 +59,8 @@ def read_reference(reader: S.SpanReader, span, bad: list[str], resource_worker=N
 
 def upsert_reference(span, values: dict, drop=()) -> None:
     remove = set(values) | set(drop)
+    if any(key in names.OUTPUTS for key in values):  # a verdict: no stale output stays beside it
+        remove |= set(names.OUTPUTS)
     kept = [kv for kv in span.attributes if kv.key not in remove]
     copies = [type(kv)() for kv in kept]
     for copy, kv in zip(copies, kept):
