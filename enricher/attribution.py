@@ -7,6 +7,8 @@ with the deployment's digest key and evidence options applied.
 
 from __future__ import annotations
 
+from typing import Collection
+
 import msgspec
 
 from kvmiss.enricher.divergence import diverge
@@ -36,6 +38,9 @@ class Attributor:
         self.digest_key = digest_key
         self.aged_out_as_recent_match = aged_out_as_recent_match
         self.clocks = clocks
+        # Workers of the fleet that spans name and the index does not follow (kept by the
+        # pipeline): none of them can be ruled out as a holder.
+        self.unsubscribed: Collection[str] = ()
 
     def attribute(self, facts: RequestFacts) -> Verdict:
         needs_evidence = (
@@ -44,7 +49,7 @@ class Attributor:
         )
         evidence = (
             gather(self.index, facts, aged_out_as_recent_match=self.aged_out_as_recent_match,
-                   clocks=self.clocks)
+                   clocks=self.clocks, unsubscribed=self.unsubscribed)
             if needs_evidence else None
         )
         digest = self.digest_key.digest_block if self.digest_key is not None else None

@@ -36,7 +36,7 @@ consulted for nothing: neither a holder nor ruled out (`Evidence.skewed_workers`
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Collection, Iterable, NamedTuple
 
 from kvmiss.enricher.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
 from kvmiss.schemas.attribution import (
@@ -174,12 +174,15 @@ Clocks = Callable[[str], ClockOffset | None]  # worker id -> its measured clock,
 
 
 def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
+           unsubscribed: Collection[str] = (),
            ) -> tuple[tuple[Holder, ...], tuple[History, ...], tuple[ClockOffset, ...]]:
     """Every other tracked worker: who provably held H at t, why the rest that may have
     cannot be ruled out, and which were not consulted because their clock is out of bound.
-    All three decide whether a label below routing_miss is provable."""
+    All three decide whether a label below routing_miss is provable. Workers of the fleet
+    that are not subscribed to (``unsubscribed``: named by spans, absent from the index) may
+    have held H: each is unresolved, never absent."""
     holders: list[Holder] = []
-    unresolved: list[History] = []
+    unresolved: list[History] = [History.UNTRACKED for worker in unsubscribed if worker != chosen]
     skewed: list[ClockOffset] = []
     margin = index.tail_margin_s
     current = index.current
@@ -216,6 +219,7 @@ def gather(
     *,
     aged_out_as_recent_match: bool = False,
     clocks: Clocks | None = None,
+    unsubscribed: Collection[str] = (),
 ) -> Evidence:
     """Judge the request's first-miss block against the index at its lookup time.
 
@@ -224,6 +228,7 @@ def gather(
     that H was not resident in the window, but it cannot tell evicted from never stored).
     ``clocks``: each tracked worker's measured clock offset (see the module docstring);
     None when the deployment does not measure it (offline, in-process: one host's clock).
+    ``unsubscribed``: workers of the fleet the index does not follow (see `_fleet`).
     """
     worker, t = facts.worker, facts.lookup_time
     if worker is None or worker not in index.tracked:
@@ -248,7 +253,7 @@ def gather(
     run = view.run_at_step(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
-    holders, unresolved, skewed = _fleet(index, worker, key, t, clocks) if key is not None else ((), (), ())
+    holders, unresolved, skewed = _fleet(index, worker, key, t, clocks, unsubscribed) if key is not None else ((), (), ())
     tiers: list[TierHolding] = []
     for medium in view.media:
         if medium != GPU and key is not None:

@@ -208,7 +208,11 @@ class KvmissCollector(Collector):
             "kvmiss_foreign_outputs_replaced", "Output-named kvmiss.* attributes spans came with, removed when kvmiss wrote "
             "its verdict: another enricher or a client writes into kvmiss's namespace, or enriched spans loop back.")
         foreign.add_metric([], s.foreign_outputs)
-        yield from (received, exported, refused, lost, unenriched, bad, waits, resent, foreign)
+        unsubscribed = GaugeMetricFamily(
+            "kvmiss_workers_unsubscribed", "Workers spans named recently that no [[workers]] entry subscribes to: "
+            "while above 0, misses below routing_miss are unknown_history (they cannot be ruled out as holders).")
+        unsubscribed.add_metric([], len(s.unsubscribed))
+        yield from (received, exported, refused, lost, unenriched, bad, waits, resent, foreign, unsubscribed)
         yield from self._connections(intake)
 
     def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:

@@ -46,6 +46,7 @@ from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 log = logging.getLogger("kvmiss.pipeline")
 
 MAX_ROUTE_POLICIES = 16  # distinct routing-policy values kept as metric labels
+MAX_UNSUBSCRIBED = 64  # span-named workers absent from [[workers]] remembered at once
 
 
 class ExportSink(Protocol):
@@ -109,6 +110,7 @@ class PipelineStats:
         # Output-named attributes a span came with, replaced by kvmiss's verdict: a sign that two
         # enrichers, or a client, write into kvmiss's namespace (or that enriched spans loop back).
         self.foreign_outputs = 0
+        self.unsubscribed: dict[str, float] = {}  # span-named workers absent from [[workers]] (Pipeline)
         self.unenriched: collections.Counter[str] = collections.Counter()  # by reason
         self.bad_attributes: collections.Counter[str] = collections.Counter()  # by attribute name
         self.verdicts: collections.Counter[tuple[Label, str, str]] = collections.Counter()
@@ -134,6 +136,7 @@ class Pipeline:
         on_verdict: Callable[[RequestFacts, Verdict, bytes], None] | None = None,
         clock: Callable[[], float],
         judge_on_arrival: bool = False,
+        unsubscribed_keep_s: float = 600.0,
     ):
         self.attributor = attributor
         self.sink = sink
@@ -159,6 +162,12 @@ class Pipeline:
         # So that a span arriving after its request was judged is not judged again: kept
         # while a partner may still come (the other side's spans up to assemble_wait_s late).
         self._judged = JudgedRequests(keep_s=2 * assemble_wait_s + history_wait_s)
+        # Workers spans name that the index does not follow -> when last named. The fleet is
+        # larger than this replica's subscriptions: none of them can be ruled out as a holder
+        # (`Attributor.unsubscribed`), until no span has named them for unsubscribed_keep_s.
+        self.unsubscribed: dict[str, float] = self.stats.unsubscribed
+        self.unsubscribed_keep_s = unsubscribed_keep_s
+        attributor.unsubscribed = self.unsubscribed
 
     # --- intake ------------------------------------------------------------------------------
 
@@ -311,6 +320,10 @@ class Pipeline:
                 waiting.append((assembly, facts, since))
         self._ready = waiting
         self._judged.expire(now)
+        if self.unsubscribed:
+            for worker, seen in list(self.unsubscribed.items()):
+                if now - seen > self.unsubscribed_keep_s:
+                    del self.unsubscribed[worker]
         return judged
 
     def _assess(self, assembly: Assembly, now: float, final: bool) -> int | None:
@@ -338,15 +351,33 @@ class Pipeline:
                 return None
             self._give_up(assembly, facts)
             return 0
+        worker = facts.worker
+        tracked = worker is not None and worker in self.attributor.index.tracked
+        if worker is not None and not tracked:
+            self._note_unsubscribed(worker, now)  # and judged at once: no history will come
         if not expired and assembly.awaits_request_span():
             return None  # an engine lookup waits (bounded) for its request's span
-        if facts.worker is not None and facts.lookup_time is not None and not self._history_reached(facts):
+        if tracked and facts.lookup_time is not None and not self._history_reached(facts):
             if not final:
                 self._ready.append((assembly, facts, now))
                 assembly.done = assembly.awaiting_history = True  # no longer open for other requests
                 return 0
         self._judge(assembly, facts, waited=0.0)
         return 1
+
+    def _note_unsubscribed(self, worker: str, now: float) -> None:
+        """A span named a worker this replica does not subscribe to: from now on it is an
+        unresolved holder for every request (logged once per name, names bounded)."""
+        known = self.unsubscribed
+        if worker not in known:
+            if len(known) >= MAX_UNSUBSCRIBED:
+                worker = min(known, key=known.__getitem__)  # refresh the oldest: still one unresolved
+            else:
+                log.warning("spans name worker %r, which no [[workers]] entry subscribes to: it cannot be "
+                            "ruled out as a holder, so misses below routing_miss are unknown_history until "
+                            "no span names it for %.0f s (subscribe every replica to the whole fleet)",
+                            worker[:64], self.unsubscribed_keep_s)
+        known[worker] = now
 
     def _history_reached(self, facts: RequestFacts) -> bool:
         """Whether waiting longer could not change the evidence: the chosen worker's history

@@ -45,6 +45,7 @@ from kvmiss.schemas.config import Config
 log = logging.getLogger("kvmiss.serve")
 
 TICK_S = 0.02  # how often applied batches are drained and pending requests judged
+READY_GRACE_S = 30.0  # a stream recovering (replay) or verifying longer than this is not ready
 # The /metrics, /healthz, /readyz listener serves a scraper and a few probes: a small
 # connection cap, and short waits (Prometheus scrapes every 15-60 s and reconnects when an
 # idle connection was closed). It only serves GETs: a body over METRICS_MAX_BODY_BYTES, or
@@ -118,6 +119,7 @@ class Service:
                        for e in build_exporters(config.export)]
         self.journal = SpanJournal(config.export.journal) if config.export.journal else None
         self.exemplars: dict[tuple[Label, str, str], str] = {}
+        self._unsettled: dict[str, float] = {}  # worker -> since when recovering / verifying (`ready`)
         self.pipeline = Pipeline(
             self.attributor, FanOut(self.queues, self.journal), reader=SpanReader(config.attributes),
             hasher=self._hasher(), default_block_size=config.engine.block_size,
@@ -267,14 +269,28 @@ class Service:
     # --- health and metrics ---------------------------------------------------------------
 
     def ready(self) -> tuple[bool, dict[str, str]]:
-        """Ready when every configured worker's stream is live or explicitly quarantined."""
-        states = {}
+        """Ready while the streams and the pipeline are healthy: every worker's stream is live,
+        explicitly quarantined, or has published nothing yet (an idle engine publishes
+        nothing: the normal case), or has been recovering or verifying for less than
+        `READY_GRACE_S` (a replay is routine); and the pipeline and its export queues have
+        room, so spans are not being refused. The answer's detail names each worker's state
+        and ``pipeline: full`` when that is what is wrong."""
+        now = self.clock()
+        states, healthy = {}, True
         for worker, stream in self.fleet.streams.items():
-            if stream.quarantined:
-                states[worker] = "quarantined"
+            state = "quarantined" if stream.quarantined else stream.cursor.name.lower()
+            states[worker] = state
+            if state in ("recovering", "verifying"):
+                since = self._unsettled.setdefault(worker, now)
+                healthy &= now - since < READY_GRACE_S
             else:
-                states[worker] = stream.cursor.name.lower()
-        return all(s in ("live", "quarantined") for s in states.values()), states
+                self._unsettled.pop(worker, None)
+        pipeline = self.pipeline
+        room = pipeline.max_pending_spans - pipeline.pending_spans
+        if room < pipeline.max_pending_spans // 10 or not pipeline.sink.has_capacity(pipeline.pending_spans):
+            states["pipeline"] = "full"
+            healthy = False
+        return healthy, states
 
     async def _start_metrics(self, address: str) -> None:
         app = web.Application(middlewares=[self._refuse_bodies])

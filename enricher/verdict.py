@@ -303,6 +303,7 @@ _UNRESOLVED_TEXT = {
     History.GAP: "missing the history around it",
     History.AGED_OUT: "aged out",
     History.EPOCH_UNKNOWN: "of unknown lifetime",
+    History.UNTRACKED: "not subscribed to (named by spans, absent from [[workers]])",
 }
 
 

@@ -492,3 +492,42 @@ def test_a_span_kvmiss_does_not_enrich_keeps_its_kvmiss_attributes(wire):
     asyncio.run(pipe.consume(request, request.SerializeToString() if wire else None))
     (span,) = [s for r in sink.requests for s in _spans_of(r)]
     assert attrs(span) == {names.LABEL: "hit", names.MISSED_TOKENS: 7} and pipe.stats.foreign_outputs == 0
+
+
+# --- part of the fleet unsubscribed: those workers are unresolved holders, never absent --------
+
+
+def two_worker_fleet():
+    index, a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A", ts0=1000.0), WorkerFeed("B", ts0=1000.0)
+    for batch in a.batches(range(0, 30)):
+        index.apply(batch)
+    for batch in b.batches(range(0, 30), {3: [stored(H)]}):  # B holds H from 1003 on
+        index.apply(batch)
+    return index
+
+
+def miss(worker: str, request_id: str, block: int = 77) -> dict:
+    return {"name": "router", "trace_id": os.urandom(16), "gen_ai.request.id": request_id,
+            "gen_ai.usage.input_tokens": 40, "gen_ai.usage.cache_read.input_tokens": 16,
+            "kvmiss.route.worker": worker, "kvmiss.block_hashes": [7, block, 9],
+            "kvmiss.lookup_time_unix_nano": int(1020.5e9)}
+
+
+def test_a_span_named_worker_no_replica_follows_leaves_other_misses_unknown_not_no_match():
+    index = two_worker_fleet()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True, unsubscribed_keep_s=60.0)
+    asyncio.run(pipe.consume(export_request(miss("A", "before"))))
+    asyncio.run(pipe.consume(export_request(miss("C", "on-c"))))  # C: part of the fleet, not in [[workers]]
+    asyncio.run(pipe.consume(export_request(miss("A", "after"))))
+    asyncio.run(pipe.consume(export_request(miss("A", "routed", block=H - 2**64))))  # B holds H
+    out = {attrs(s)["kvmiss.label"]: attrs(s) for s in sink.spans()}
+    labels = [attrs(s)["kvmiss.label"] for s in sink.spans()]
+    assert labels == ["no_match", "unknown_history", "unknown_history", "routing_miss"]
+    after = attrs(sink.spans()[2])
+    assert after["kvmiss.history"] == "untracked" and "not subscribed to" in after["kvmiss.reason"]
+    assert out["routing_miss"]["kvmiss.holders"] == 1  # a holder proven by a followed worker stands
+    clock.t = 61.0
+    pipe.poll()  # no span has named C for longer than unsubscribed_keep_s
+    asyncio.run(pipe.consume(export_request(miss("A", "later"))))
+    assert attrs(sink.spans()[-1])["kvmiss.label"] == "no_match" and pipe.unsubscribed == {}

@@ -310,3 +310,15 @@ class TestMetricsEndpointBounds:
         assert header == b""  # no request ever arrived: closed without an answer
         assert status == 200
         assert 'kvmiss_metrics_http_requests_refused_total{reason="body_timeout"} 1.0' in text
+
+
+def test_readiness_holds_for_an_idle_engine_and_fails_when_the_pipeline_is_full():
+    """An engine that has published nothing yet is the normal idle case: ready. A pipeline
+    with no room (spans would be refused) is not, and the detail says so."""
+    config = parse_config(make_config({"w0": ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")}, "http://127.0.0.1:1"))
+    svc = Service(config)  # not started: no socket, streams at their initial state
+    ready, states = svc.ready()
+    assert ready and states == {"w0": "initial"}
+    svc.pipeline.pending_spans = svc.pipeline.max_pending_spans
+    ready, states = svc.ready()
+    assert not ready and states["pipeline"] == "full"
