@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from reliability_rig import (
     UNKNOWN,
+    bring_up,
     WAIT_S,
     Engines,
     Kvmiss,
@@ -57,71 +58,6 @@ from reliability_rig import (
 from kvmiss.enricher.exporter import retry_info_delay
 
 HERE = Path(__file__).resolve().parent
-
-
-class Rig:
-    """Starts and, whatever happens, stops the parts of one case."""
-
-    def __init__(self, tmp_path: Path):
-        self.tmp_path = tmp_path
-        self._closers: list = []
-        self.kvmiss: Kvmiss | None = None
-
-    def on_close(self, close) -> None:
-        self._closers.append(close)
-
-    def engines(self, workers, **kwargs) -> Engines:
-        engines = Engines(workers, **kwargs)
-        self.on_close(engines.close)
-        return engines
-
-    def sink(self, **kwargs) -> Sink:
-        sink = Sink(**kwargs)
-        self.on_close(sink.stop)
-        return sink
-
-    def start_kvmiss(self, workers: dict[str, tuple[str, str | None]], sink: Sink, *,
-                     ports: tuple[int, int, int] | None = None, **config) -> Kvmiss:
-        for attempt in range(3):  # fresh ports taken meanwhile by someone else: pick again
-            http_port, grpc_port, metrics_port = ports or (quiet_port(), quiet_port(), quiet_port())
-            text = kvmiss_config(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                 sink_port=sink.port, workers=workers, **config)
-            try:
-                kvmiss = Kvmiss(text, self.tmp_path, http_port=http_port, metrics_port=metrics_port,
-                                grpc_port=grpc_port)
-                break
-            except AssertionError as exc:
-                if ports is not None or "address already in use" not in str(exc) or attempt == 2:
-                    raise
-        self.on_close(kvmiss.kill)
-        self.kvmiss = kvmiss
-        return kvmiss
-
-    def close(self) -> None:
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - best effort: close the rest too
-                pass
-
-
-@pytest.fixture
-def rig(tmp_path):
-    r = Rig(tmp_path)
-    yield r
-    if r.kvmiss is not None:  # shown by pytest only when the case failed
-        print("--- kvmiss serve log (tail) ---\n" + r.kvmiss.tail(60))
-    r.close()
-
-
-def bring_up(kvmiss: Kvmiss, engines: Engines, workers=None) -> None:
-    """Publish empty steps until every worker's stream is live in kvmiss (a subscriber that
-    just connected misses what is sent before its subscription lands; replay fills it)."""
-    def ready():
-        engines.tick(workers)
-        return kvmiss.ready()
-    wait_until(ready, "kvmiss /readyz", interval=0.1)
-    wait_applied(kvmiss, {w: s for w, s in engines.seqs.items() if workers is None or w in workers})
 
 
 def sdk_spans(n: int, tag: str) -> list:
