@@ -148,6 +148,7 @@ class Recorder:
         import zmq
 
         self.batches: list[tuple[int, float, list]] = []  # (seq, receive time, events)
+        self.frames: list[list[bytes]] = []  # the first messages as sent, for the test data
         self.gaps: list[tuple[int, int]] = []
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.SUB)
@@ -168,6 +169,8 @@ class Recorder:
             except zmq.Again:
                 continue
             now = time.time()
+            if len(self.frames) < CAPTURE_MESSAGES:
+                self.frames.append(frames)
             seq = int.from_bytes(frames[1], "big")
             if self.batches and seq != self.batches[-1][0] + 1:
                 self.gaps.append((self.batches[-1][0], seq))
@@ -178,6 +181,43 @@ class Recorder:
         self._stop.set()
         self._thread.join(2)
         self._socket.close(0)
+
+
+CAPTURE_MESSAGES = 60
+
+
+def capture_replay(endpoint: str, start: int = 0, timeout_s: float = 5.0) -> list[list[bytes]]:
+    """One replay request from ``start``, answered as the engine's replay socket answers it
+    (DEALER; every reply message up to and including the end marker)."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    socket.connect(endpoint)
+    socket.send_multipart([b"", start.to_bytes(8, "big")])
+    replies = []
+    try:
+        while len(replies) < CAPTURE_MESSAGES + 1:
+            reply = socket.recv_multipart()
+            replies.append(reply)
+            if reply[-2] == b"\xff" * 8 and reply[-1] == b"":  # the end marker
+                break
+    except zmq.Again:
+        pass
+    finally:
+        socket.close(0)
+    return replies
+
+
+def write_capture(path: Path, version: str, live: list[list[bytes]], replay: list[list[bytes]]) -> None:
+    """The captured messages as `kvmiss decode` input lines (one JSON object per message)."""
+    import base64
+
+    with open(path, "w") as out:
+        for kind, messages in (("live", live), ("replay", replay)):
+            for frames in messages:
+                out.write(json.dumps({"vllm": version, "source": kind,
+                                      "frames": [base64.b64encode(f).decode() for f in frames]}) + "\n")
 
 
 def _event_type(event) -> str:
@@ -356,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup", action="store_true", help="create the venv / install kvmiss / make the model")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--kvmiss-python", type=Path, default=Path(sys.executable),
+                        help="the interpreter whose kvmiss serves (another checkout's venv, for an A/B)")
+    parser.add_argument("--capture", type=Path, help="write the engine's first live and replayed messages here")
     args = parser.parse_args(argv)
 
     scratch = args.scratch.resolve()
@@ -378,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict = {}
     try:
         base.say(f"kvmiss serve --config {config}")
-        kvmiss = subprocess.Popen([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
+        kvmiss = subprocess.Popen([str(args.kvmiss_python), "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
                                   stdout=open(run_dir / "kvmiss.log", "w"), stderr=subprocess.STDOUT)
         base.wait_http(f"http://127.0.0.1:{ports['metrics']}/healthz", 30, kvmiss, "kvmiss serve")
         recorder = Recorder(f"tcp://127.0.0.1:{ports['events']}")
@@ -423,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
         time.sleep(20.0)  # late partners, if any, would show as second labels
         extra["kvmiss_rss_mb"] = rss_mb(kvmiss.pid)
+        if args.capture is not None:
+            version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
+                                     capture_output=True, text=True, env={**os.environ, **base.offline_env(scratch)}
+                                     ).stdout.strip().splitlines()[-1]
+            write_capture(args.capture, version, recorder.frames,
+                          capture_replay(f"tcp://127.0.0.1:{ports['replay']}"))
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=5) as response:
             metrics = response.read().decode()
         (run_dir / "kvmiss-metrics.txt").write_text(metrics)

@@ -61,8 +61,8 @@ def label_names(exposition) -> dict[str, set[str]]:
 
 
 def spanmetrics_names() -> set[str]:
-    """The Prometheus names of collector/sharded.yaml's spanmetrics connector output."""
-    spanmetrics = yaml.safe_load((EXAMPLES / "collector" / "sharded.yaml").read_text())["connectors"]["spanmetrics"]
+    """The Prometheus names of collector/replicas.yaml's spanmetrics connector output."""
+    spanmetrics = yaml.safe_load((EXAMPLES / "collector" / "replicas.yaml").read_text())["connectors"]["spanmetrics"]
     prefix = spanmetrics.get("namespace", "traces.span.metrics").replace(".", "_")
     unit = {"ms": "milliseconds", "s": "seconds"}[spanmetrics.get("histogram", {}).get("unit", "ms")]
     duration = f"{prefix}_duration_{unit}"
@@ -115,7 +115,7 @@ def test_queries_md_promql_uses_only_metrics_kvmiss_or_the_spanmetrics_example_e
         names = promql_metric_names(expr)
         assert names, f"no metric in {expr!r}"
         unknown = names - exported - spanmetrics
-        assert not unknown, f"not exported by kvmiss (nor by sharded.yaml's spanmetrics): {sorted(unknown)} in {expr!r}"
+        assert not unknown, f"not exported by kvmiss (nor by replicas.yaml's spanmetrics): {sorted(unknown)} in {expr!r}"
 
 
 def test_queries_md_promql_labels_and_values_exist(label_names):
