@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="json: one object per line (ts, level, logger, msg) for log pipelines")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run N serve processes, each following the whole fleet; process i listens on "
+                             "the configured ports + i (OTLP gRPC, HTTP, metrics) and writes [export] file "
+                             "and journal with suffix .i: list all N in the Collector's trace-id load balancer")
+    parser.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _with_overrides(config, args):
@@ -54,6 +59,58 @@ def _with_overrides(config, args):
     export = config.export if args.export is None else msgspec.structs.replace(config.export, endpoint=args.export)
     metrics = config.metrics if args.metrics is None else msgspec.structs.replace(config.metrics, listen=args.metrics)
     return msgspec.structs.replace(config, otlp=otlp, export=export, metrics=metrics)
+
+
+def process_config(config, index: int):
+    """The configuration of process ``index`` of a ``--processes`` group: every listen port
+    moved up by ``index`` (port 0 stays 0: any free port), and its own export file and
+    journal, so no two processes share a port or a file."""
+    from kvmiss.enricher.receiver import parse_listen
+
+    if index == 0:
+        return config
+
+    def moved(address: str) -> str:
+        host, port = parse_listen(address)
+        host = f"[{host}]" if ":" in host else host
+        return f"{host}:{port + index if port else 0}"
+
+    export = config.export
+    return msgspec.structs.replace(
+        config,
+        otlp=msgspec.structs.replace(config.otlp, grpc=moved(config.otlp.grpc), http=moved(config.otlp.http)),
+        metrics=msgspec.structs.replace(config.metrics, listen=moved(config.metrics.listen)),
+        export=msgspec.structs.replace(export, file=export.file and f"{export.file}.{index}",
+                                       journal=export.journal and f"{export.journal}.{index}"))
+
+
+def _run_group(args: argparse.Namespace) -> int:
+    """``--processes N``: N child serve processes; SIGINT/SIGTERM is passed to each (each
+    judges what it holds and flushes). When one exits, the others are stopped too, so a
+    supervisor restarts the group as a whole; the exit status is the worst child's."""
+    import subprocess
+    import time
+
+    command = [sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", args.config,
+               "--log-level", args.log_level, "--log-format", args.log_format, "--processes", str(args.processes)]
+    for flag, value in (("--otlp-grpc", args.otlp_grpc), ("--otlp-http", args.otlp_http),
+                        ("--export", args.export), ("--metrics", args.metrics)):
+        if value is not None:
+            command += [flag, value]
+    children = [subprocess.Popen(command + ["--process-index", str(i)]) for i in range(args.processes)]
+
+    def stop(*_):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while all(child.poll() is None for child in children):
+        time.sleep(0.2)
+    stop()
+    codes = [child.wait() for child in children]
+    return max(codes, key=abs)
 
 
 def _check(config) -> int:
@@ -136,8 +193,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvmiss serve: {exc}", file=sys.stderr)
         return 2
+    if args.processes < 1:
+        print("kvmiss serve: --processes must be >= 1", file=sys.stderr)
+        return 2
     if args.check:
         return _check(config)
+    if args.processes > 1 and args.process_index is None:
+        return _run_group(args)
+    config = process_config(config, args.process_index or 0)
     gc.set_threshold(*GC_THRESHOLDS)  # a process-wide policy: serve's own, not the library's
     try:
         asyncio.run(_serve(config))

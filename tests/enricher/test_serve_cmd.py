@@ -81,3 +81,64 @@ def test_check_fails_on_what_start_up_would_fail_on(tmp_path):
     assert bad_export.returncode == 2 and "export.endpoint" in bad_export.stderr
     bad_key = _check("[history]\nretention_s = -5\n", tmp_path)
     assert bad_key.returncode == 2 and "history.retention_s" in bad_key.stderr
+
+
+def _free_pair() -> int:
+    """A free port whose successor is free too (process 1 of a group listens on port + 1)."""
+    import socket
+
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def test_processes_run_a_group_on_consecutive_ports_each_serving_and_stopping_on_sigterm(tmp_path):
+    import urllib.request
+
+    base = {name: _free_pair() for name in ("grpc", "http", "metrics")}
+    config = tmp_path / "k.toml"
+    config.write_text(f'[otlp]\ngrpc = "127.0.0.1:{base["grpc"]}"\nhttp = "127.0.0.1:{base["http"]}"\n'
+                      f'[metrics]\nlisten = "127.0.0.1:{base["metrics"]}"\n'
+                      f'[export]\nfile = "{tmp_path / "out.jsonl"}"\n'
+                      '[privacy]\ndigest_key = "serve-cmd-test-secret-01"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config),
+                             "--processes", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        up = set()
+        while len(up) < 2 and time.monotonic() < deadline:
+            for i in range(2):
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{base['metrics'] + i}/healthz", timeout=1) as r:
+                        if r.status == 200:
+                            up.add(i)
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        assert up == {0, 1}, "both processes serve their own metrics port"
+        for i in range(2):  # and their own OTLP/HTTP port
+            request = urllib.request.Request(f"http://127.0.0.1:{base['http'] + i}/v1/traces", data=b"",
+                                             headers={"Content-Type": "application/x-protobuf"}, method="POST")
+            with urllib.request.urlopen(request, timeout=5) as r:
+                assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_process_config_moves_every_port_and_file_but_port_0():
+    from kvmiss.enricher.cli.serve_cmd import process_config
+    from kvmiss.schemas.config import parse_config
+
+    config = parse_config('[otlp]\ngrpc = "0.0.0.0:4317"\nhttp = "[::1]:0"\n[metrics]\nlisten = ":9464"\n'
+                          '[export]\nfile = "out.jsonl"\njournal = "j"\n')
+    moved = process_config(config, 3)
+    assert (moved.otlp.grpc, moved.otlp.http, moved.metrics.listen) == ("0.0.0.0:4320", "[::1]:0", "127.0.0.1:9467")
+    assert (moved.export.file, moved.export.journal) == ("out.jsonl.3", "j.3")
+    assert process_config(config, 0) is config
