@@ -113,7 +113,7 @@ def population_events(w: int, step: int) -> list:
     return [BlockRemoved(block_hashes=[h(EVI, w, k * 64 + j)]) for j in range(64)]
 
 
-def publishers_main(conn, endpoints: list[str]) -> None:
+def publishers_main(conn, endpoints: list[str], subscribers: int = 1) -> None:
     import msgspec
     import zmq
 
@@ -125,6 +125,7 @@ def publishers_main(conn, endpoints: list[str]) -> None:
     for ep in endpoints:
         s = ctx.socket(zmq.XPUB)
         s.setsockopt(zmq.SNDHWM, 0)  # never drop: the population burst is finite
+        s.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
         s.bind(ep)
         socks.append(s)
     seqs = [0] * len(socks)
@@ -137,11 +138,12 @@ def publishers_main(conn, endpoints: list[str]) -> None:
         return ts
 
     conn.send("bound")
-    for s in socks:  # an XPUB hears the SUB's subscription: from here on nothing is lost
-        if not s.poll(30_000):
-            conn.send(("error", "kvmiss never subscribed"))
-            return
-        s.recv()
+    for s in socks:  # an XPUB hears each SUB's subscription: from here on nothing is lost
+        for _ in range(subscribers):  # every kvmiss process follows every worker
+            if not s.poll(30_000):
+                conn.send(("error", "kvmiss never subscribed"))
+                return
+            s.recv()
     last_ts = 0.0
     for step in range(POPULATION_STEPS):
         for w in range(len(socks)):
@@ -286,12 +288,12 @@ def build_payloads(n: int, workers: int, lookup_ts: float, seed: int) -> tuple[l
     return payloads, raw_total // n
 
 
-def loadgen_main(conn, args, sink_port: int, kvmiss_port: int, kvmiss_pid: int, lookup_ts: float,
+def loadgen_main(conn, args, sink_port: int, kvmiss_port: int, kvmiss_pids: list[int], lookup_ts: float,
                  report_sock: socket.socket, neighbours: dict[str, int]) -> None:
-    asyncio.run(_loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, report_sock, neighbours))
+    asyncio.run(_loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pids, lookup_ts, report_sock, neighbours))
 
 
-async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, report_sock, neighbours) -> None:
+async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pids, lookup_ts, report_sock, neighbours) -> None:
     # Every process of the benchmark shares the two cores: their CPU is reported per phase too.
     neighbours = {**neighbours, "loadgen": os.getpid()}
     import aiohttp
@@ -314,7 +316,10 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
     await loop.create_datagram_endpoint(Reports, sock=report_sock)
     headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
 
-    async def phase(url: str, ids: list[int], *, concurrency: int = 1, paced: bool = False,
+    def kvmiss_cpu_s() -> float:
+        return sum(process_cpu_s(pid) for pid in kvmiss_pids)
+
+    async def phase(urls: list[str], ids: list[int], *, concurrency: int = 1, paced: bool = False,
                     rate_batches_s: float | None = None) -> dict:
         sent, acked, statuses = {}, {}, {}
         queue = list(reversed(ids))
@@ -323,7 +328,8 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
 
         async def post(session, b):
             sent[b] = time.monotonic()
-            async with session.post(url, data=payloads[b], headers=headers) as response:
+            # A batch holds whole traces: spread by batch, as a trace-id load balancer would.
+            async with session.post(urls[b % len(urls)], data=payloads[b], headers=headers) as response:
                 await response.read()
                 acked[b] = time.monotonic()
                 statuses[response.status] = statuses.get(response.status, 0) + 1
@@ -337,7 +343,7 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
                 if paced:
                     await asyncio.wait_for(reached, args.deadline_s)
 
-        cpu0 = process_cpu_s(kvmiss_pid)
+        cpu0 = kvmiss_cpu_s()
         others0 = {name: process_cpu_s(pid) for name, pid in neighbours.items()}
         machine0 = machine_cpu_s()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(concurrency, 64))) as session:
@@ -357,7 +363,7 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
             await asyncio.sleep(0.002)
         end = max((arrived[b] for b in sent if b in arrived), default=time.monotonic())
         return {"batches": len(sent), "delivered": sum(b in arrived for b in sent), "statuses": statuses,
-                "elapsed_s": end - start, "kvmiss_cpu_s": process_cpu_s(kvmiss_pid) - cpu0,
+                "elapsed_s": end - start, "kvmiss_cpu_s": kvmiss_cpu_s() - cpu0,
                 "others_cpu_s": {name: process_cpu_s(pid) - others0[name] for name, pid in neighbours.items()},
                 "machine_cpu_s": {k: v - machine0[k] for k, v in machine_cpu_s().items()},
                 "e2e_ms": [(arrived[b] - sent[b]) * 1e3 for b in sent if b in arrived],
@@ -365,8 +371,8 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pid, lookup_ts, re
 
     ids = iter(range(total))
     take = lambda n: [next(ids) for _ in range(n)]  # noqa: E731
-    direct = f"http://127.0.0.1:{sink_port}/v1/traces"
-    via = f"http://127.0.0.1:{kvmiss_port}/v1/traces"
+    direct = [f"http://127.0.0.1:{sink_port}/v1/traces"]
+    via = [f"http://127.0.0.1:{kvmiss_port + i}/v1/traces" for i in range(args.processes)]
     results = {"raw_bytes": raw_bytes, "gz_bytes": gz_bytes}
     results["direct_paced"] = await phase(direct, take(args.light), paced=True)
     await phase(via, take(args.warmup), concurrency=2)
@@ -444,6 +450,31 @@ def receive(conn, child, timeout: float = 600.0):
     return conn.recv()
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (a --processes group listens on port + i)."""
+    while True:
+        first = free_port()
+        try:
+            for i in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", first + i))
+        except OSError:
+            continue
+        return first
+
+
+def group_pids(pid: int, processes: int) -> list[int]:
+    """The serving processes: ``pid`` itself, or with --processes its children."""
+    if processes == 1:
+        return [pid]
+    for _ in range(100):
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        if len(children) == processes:
+            return [int(c) for c in children]
+        time.sleep(0.1)
+    sys.exit(f"kvmiss serve --processes {processes} started {len(children)} processes")
+
+
 def scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
@@ -456,6 +487,8 @@ def metric_sum(text: str, name: str, label_filter: str = "") -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=1,
+                        help="kvmiss serve --processes N (each follows every worker; batches spread over them)")
     parser.add_argument("--batches", type=int, default=400, help="batches in the saturated phase")
     parser.add_argument("--rated", type=int, default=400, help="batches in the fixed-rate phase")
     parser.add_argument("--rate", type=float, default=40_000, help="offered spans/s in the fixed-rate phase")
@@ -476,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = multiprocessing.get_context("spawn")
     work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-serve-"))
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.workers)]
-    http_port, metrics_port = free_port(), free_port()
+    http_port, metrics_port = free_ports(args.processes), free_ports(args.processes)
     children, procs = [], []
     try:
         sink_conn, child_conn = ctx.Pipe()
@@ -488,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
         _, sink_port = receive(sink_conn, sink)
 
         pub_conn, child_conn = ctx.Pipe()
-        pubs = ctx.Process(target=publishers_main, args=(child_conn, endpoints), name="publishers", daemon=True)
+        pubs = ctx.Process(target=publishers_main, args=(child_conn, endpoints, args.processes), name="publishers", daemon=True)
         pubs.start()
         children.append(pubs)
         receive(pub_conn, pubs)  # bound
@@ -499,7 +532,8 @@ def main(argv: list[str] | None = None) -> None:
                           f'endpoint = "http://127.0.0.1:{sink_port}"\n[engine]\nblock_size = {BLOCK}\n'
                           f'[privacy]\ndigest_key = "bench-serve-digest-key-0001"\n'
                           f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n{workers}')
-        serve_args = ["-m", "kvmiss.enricher.cli", "serve", "--config", str(config), "--log-level", "WARNING"]
+        serve_args = ["-m", "kvmiss.enricher.cli", "serve", "--config", str(config), "--log-level", "WARNING",
+                      "--processes", str(args.processes)]
         profile_out = work / ("serve.prof" if args.profile == "cprofile" else "serve.speedscope.json")
         if args.profile == "cprofile":
             serve_args = ["-m", "cProfile", "-o", str(profile_out)] + serve_args
@@ -507,7 +541,8 @@ def main(argv: list[str] | None = None) -> None:
         procs.append(serve)
         for _ in range(100):
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=1)
+                for i in range(args.processes):
+                    urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + i}/healthz", timeout=1)
                 break
             except OSError:
                 time.sleep(0.1)
@@ -516,7 +551,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"publishers: {msg}")
         _, lookup_ts, pop_seqs = msg
         t_pop = time.monotonic()
-        while metric_sum(scrape(metrics_port), "kvmiss_stream_batches_applied_total") < sum(pop_seqs):
+        scrape_all = lambda: "\n".join(scrape(metrics_port + i) for i in range(args.processes))  # noqa: E731
+        serve_pids = group_pids(serve.pid, args.processes)
+        while metric_sum(scrape_all(), "kvmiss_stream_batches_applied_total") < sum(pop_seqs) * args.processes:
             if time.monotonic() - t_pop > 120:
                 sys.exit("kvmiss did not apply the population within 120 s")
             time.sleep(0.2)
@@ -529,12 +566,12 @@ def main(argv: list[str] | None = None) -> None:
 
         gen_conn, child_conn = ctx.Pipe()
         gen = ctx.Process(target=loadgen_main, name="loadgen", daemon=True,
-                          args=(child_conn, args, sink_port, http_port, serve.pid, lookup_ts - 0.001, report_sock,
+                          args=(child_conn, args, sink_port, http_port, serve_pids, lookup_ts - 0.001, report_sock,
                                 {"sink": sink.pid, "publishers": pubs.pid}))
         gen.start()
         children.append(gen)
         _, results = receive(gen_conn, gen, timeout=900)
-        metrics = scrape(metrics_port)
+        metrics = scrape_all()
         pub_conn.send("stop")
         _, final_seqs = receive(pub_conn, pubs)
         sink_conn.send("stop")

@@ -71,6 +71,8 @@ def process_config(config, index: int):
         return config
 
     def moved(address: str) -> str:
+        if not address:
+            return address  # that receiver is off
         host, port = parse_listen(address)
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{port + index if port else 0}"

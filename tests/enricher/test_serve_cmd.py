@@ -142,3 +142,5 @@ def test_process_config_moves_every_port_and_file_but_port_0():
     assert (moved.otlp.grpc, moved.otlp.http, moved.metrics.listen) == ("0.0.0.0:4320", "[::1]:0", "127.0.0.1:9467")
     assert (moved.export.file, moved.export.journal) == ("out.jsonl.3", "j.3")
     assert process_config(config, 0) is config
+    off = parse_config('[otlp]\ngrpc = ""\nhttp = "127.0.0.1:4318"\n')
+    assert process_config(off, 1).otlp.grpc == ""  # a receiver that is off stays off
