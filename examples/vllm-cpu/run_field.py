@@ -470,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
             version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
                                      capture_output=True, text=True, env={**os.environ, **base.offline_env(scratch)}
                                      ).stdout.strip().splitlines()[-1]
+            last = recorder.batches[-1][0] if recorder.batches else 0  # a short reply, through its end marker
             write_capture(args.capture, version, recorder.frames,
-                          capture_replay(f"tcp://127.0.0.1:{ports['replay']}"))
+                          capture_replay(f"tcp://127.0.0.1:{ports['replay']}", start=max(0, last - 8)))
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=5) as response:
             metrics = response.read().decode()
         (run_dir / "kvmiss-metrics.txt").write_text(metrics)
