@@ -255,6 +255,12 @@ class JudgedRequests:
                 break
             del by_trace[trace_id]
 
+    def touch(self, trace_id: bytes, now: float) -> None:
+        """The trace's spans still come: keep its judged requests ``keep_s`` from now."""
+        known = self._by_trace.pop(trace_id, None)
+        if known is not None:
+            self._by_trace[trace_id] = (now, known[1])
+
     def judged_request(self, assembly: Assembly) -> Judged | None:
         """The judged request of the same trace that ``assembly``'s spans belong to."""
         known = self._by_trace.get(assembly.trace_id)

@@ -463,6 +463,7 @@ class Pipeline:
                 self.stats.resent_spans += 1
             else:
                 self.stats.unenriched["request_already_judged"] += 1
+        self._judged.touch(assembly.trace_id, self.clock())
         self._finish(assembly)
 
     def _finish(self, assembly: Assembly) -> None:

@@ -435,7 +435,10 @@ def test_judged_requests_expire_after_keep_s_and_are_bounded():
     assert judged.judged_request(assembly(b"t2", "r1")) is None  # another trace
     judged.expire(10.5)
     assert judged.judged_request(assembly(b"t1", "r1")) is not None  # t1 last judged at 1.0
+    judged.touch(b"t1", 11.0)  # more of the trace's spans came: kept keep_s from then
     judged.expire(11.5)
+    assert judged.judged_request(assembly(b"t1", "r1")) is not None
+    judged.expire(21.5)
     assert len(judged) == 0
     for i, trace in enumerate((b"a", b"b", b"c")):
         judged.add(assembly(trace, "r"), b"s", {}, now=20.0 + i)
