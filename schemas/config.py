@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -34,6 +34,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     topic_template: str | None = None  # e.g. "kv@{instance}@{model}"
     bind: bool = False
     offset_by_rank: bool = True
+    # The engine's KV-cache pool in blocks (vLLM's start-up log: "GPU KV cache size" /
+    # num_gpu_blocks), for what-if sizing (`kvmiss whatif`); 0: not given.
+    pool_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def sub_endpoint(self) -> str:
         return offset_endpoint(self.endpoint, self.dp_rank) if self.offset_by_rank else self.endpoint

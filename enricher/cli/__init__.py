@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collect": ("collect_cmd", "subscribe to the configured workers' KV events; record them and report stream health"),
     "replay-size": ("replay_size_cmd", "minimum replay window (batches) for a peak rate and outage"),
     "demo": ("demo_cmd", "run a simulated vLLM fleet through the real pipeline and show why requests missed"),
+    "whatif": ("whatif_cmd", "what-if cache sizing: the hit ratio a larger pool would have given (an estimate)"),
     "report": ("report_cmd", "render the HTML report from attribution records or enriched OTLP-JSON spans"),
 }
 
