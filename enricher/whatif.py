@@ -13,8 +13,9 @@ benchmarks/whatif_vllm_pool.py):
   (in use, out of the free queue) and the rest of the prompt and its output are allocated;
   its full prompt blocks are cached then, its full output blocks (their hashes from the
   worker's ``BlockStored`` parent links) as they fill;
-* at finish every block is freed, tail first, to the end of the free queue: a chain's tail
-  is evicted before its head. Blocks in use are never evicted.
+* at finish every block is freed, tail first: a block caching a hash to the end of the free
+  queue (a chain's tail is evicted before its head), a block without one (a partial last
+  block) to its front, to be reused first. Blocks in use are never evicted.
 
 Where the recorded pool ran so full that requests must have waited for admission, a bigger
 pool would have changed the schedule itself, and no trace replay predicts that well: the
@@ -33,7 +34,7 @@ import msgspec
 DEFAULT_SCALES = (1.0, 1.25, 1.5, 2.0, 4.0, 8.0)
 # At the recorded size, a replay whose in-use blocks reached this share of the pool ran
 # where admission waits decide the schedule: its estimates for other sizes are uncertain.
-CROWDED_SHARE = 0.9
+CROWDED_SHARE = 0.98
 
 
 class PoolRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,8 +81,8 @@ class BlockPoolModel:
             raise ValueError("a pool needs at least 2 blocks and a positive block size")
         self.block_size = block_size
         usable = range(1, pool_blocks)
-        # block id -> None (the free queue, head first: an insertion-ordered dict)
-        self.free: dict[int, None] = dict.fromkeys(usable)
+        # block id -> None: the free queue, head first (front insertions for unhashed blocks)
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(usable)
         self.hash_of: dict[int, int] = {}  # block id -> the hash it caches
         self.blocks_of: dict[int, set[int]] = collections.defaultdict(set)  # hash -> blocks caching it
         self.refs: dict[int, int] = {}  # block id -> users, for blocks in use
@@ -149,6 +150,8 @@ class BlockPoolModel:
             else:
                 del self.refs[block]
                 self.free[block] = None
+                if block not in self.hash_of:  # nothing cached in it: reused first
+                    self.free.move_to_end(block, last=False)
 
 
 def replay(requests: Sequence[PoolRequest], pool_blocks: int, block_size: int) -> PoolResult:

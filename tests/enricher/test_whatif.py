@@ -22,7 +22,7 @@ B = 4
 def brute_force(requests: list[PoolRequest], pool_blocks: int, block_size: int) -> list[int]:
     """The same policy with plain lists and linear scans: free list head first, a taken
     block loses its hash, hits are the longest cached run under the lookup limit, blocks are
-    freed tail first at finish."""
+    freed tail first at finish (to the back with a hash, to the front without)."""
     free = list(range(1, pool_blocks))
     hashed: dict[int, int] = {}
     refs: dict[int, int] = {}
@@ -66,7 +66,10 @@ def brute_force(requests: list[PoolRequest], pool_blocks: int, block_size: int) 
                 refs[b] -= 1
                 if not refs[b]:
                     del refs[b]
-                    free.append(b)
+                    if b in hashed:
+                        free.append(b)
+                    else:
+                        free.insert(0, b)  # a block caching nothing is reused first
     return cached
 
 
@@ -111,8 +114,8 @@ def test_a_chain_evicted_at_one_size_is_served_at_a_larger_one():
 def test_the_tail_of_a_freed_chain_is_evicted_before_its_head():
     long, other = [1, 2, 3, 4], [21, 22]
     requests = [repeat(long, 0), repeat(other, 1), repeat(long, 2)]
-    # 6 usable blocks: long takes 5 (4 full + 1 partial) and frees them tail first; other
-    # needs 3: the unused block, long's partial block, then long's last full block
+    # 6 usable blocks: long takes 5 (4 full + 1 partial) and frees them tail first, the
+    # partial one to the front; other needs 3: that one, the unused one, then long's last
     result = replay(requests, 7, B)
     assert result.per_request[2] == 3 * B  # blocks 1..3 of long survived, block 4 did not
 
