@@ -215,31 +215,46 @@ def stop(proc: subprocess.Popen | None, what: str, timeout: float = 60.0) -> Non
 class Witness:
     """A second, independent ZMQ subscriber on the engine's KV-event endpoint: counts the
     messages the publisher sent, so a run can tell "the engine published nothing" from
-    "kvmiss applied nothing"."""
+    "kvmiss applied nothing"; keeps every batch with its receive time, events decoded as
+    plain msgpack (none of kvmiss's decoding), and the first ``keep_frames`` messages as
+    sent -- the oracle of run_field.py."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, keep_frames: int = 0):
         import threading
 
         import zmq
 
         self.messages = 0
+        self.batches: list[tuple[int, float, list]] = []  # (seq, receive time, events)
+        self.gaps: list[tuple[int, int]] = []  # (last seq, next seq) around each jump
+        self.frames: list[list[bytes]] = []
+        self.keep_frames = keep_frames
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.connect(endpoint)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        import msgspec
         import zmq
 
         while not self._stop.is_set():
             try:
-                self._socket.recv_multipart()
-                self.messages += 1
+                frames = self._socket.recv_multipart()
             except zmq.Again:
                 continue
+            now = time.time()
+            self.messages += 1
+            if len(self.frames) < self.keep_frames:
+                self.frames.append(frames)
+            seq = int.from_bytes(frames[1], "big")
+            if self.batches and seq != self.batches[-1][0] + 1:
+                self.gaps.append((self.batches[-1][0], seq))
+            self.batches.append((seq, now, msgspec.msgpack.decode(frames[2])[1]))
 
     def close(self) -> int:
         self._stop.set()

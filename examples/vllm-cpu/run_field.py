@@ -22,7 +22,7 @@ What it runs (the set-up of run_e2e.py: venv, tiny model, free ports):
 * A workload of cold prompts, repeats, block-multiple prompts, shared prefixes and fillers that
   evict, paced back-to-back, ~70 ms apart, in bursts of 4 and with idle gaps of 0.1-30 s.
 
-The oracle is the engine itself: an independent subscriber records every batch the engine
+The oracle is the engine itself: an independent subscriber (run_e2e.Witness) records every batch the engine
 publishes (sequence numbers checked: a gap voids the run), and each request's true label
 follows from its chain, the API's cached tokens and the residency those batches show just
 before the batch that stores the request's first missed block (removals of that block in
@@ -138,49 +138,6 @@ def _gap(pacing: str, i: int, rng: random.Random) -> float:
 
 
 # --- the oracle ----------------------------------------------------------------------------------
-
-
-class Recorder:
-    """An independent ZMQ subscriber on the engine's KV-event endpoint: every batch with its
-    receive time, events decoded as plain msgpack (none of kvmiss's decoding)."""
-
-    def __init__(self, endpoint: str):
-        import zmq
-
-        self.batches: list[tuple[int, float, list]] = []  # (seq, receive time, events)
-        self.frames: list[list[bytes]] = []  # the first messages as sent, for the test data
-        self.gaps: list[tuple[int, int]] = []
-        self._stop = threading.Event()
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.connect(endpoint)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import msgspec
-        import zmq
-
-        while not self._stop.is_set():
-            try:
-                frames = self._socket.recv_multipart()
-            except zmq.Again:
-                continue
-            now = time.time()
-            if len(self.frames) < CAPTURE_MESSAGES:
-                self.frames.append(frames)
-            seq = int.from_bytes(frames[1], "big")
-            if self.batches and seq != self.batches[-1][0] + 1:
-                self.gaps.append((self.batches[-1][0], seq))
-            payload = msgspec.msgpack.decode(frames[2])
-            self.batches.append((seq, now, payload[1]))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._socket.close(0)
 
 
 CAPTURE_MESSAGES = 60
@@ -424,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         kvmiss = subprocess.Popen([str(args.kvmiss_python), "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
                                   stdout=open(run_dir / "kvmiss.log", "w"), stderr=subprocess.STDOUT)
         base.wait_http(f"http://127.0.0.1:{ports['metrics']}/healthz", 30, kvmiss, "kvmiss serve")
-        recorder = Recorder(f"tcp://127.0.0.1:{ports['events']}")
+        recorder = base.Witness(f"tcp://127.0.0.1:{ports['events']}", keep_frames=CAPTURE_MESSAGES)
         plugins = "kvmiss" if "plugin" in args.mode else "kvmiss-disabled"
         env = {**os.environ, **base.offline_env(scratch), "VLLM_PLUGINS": plugins, "PYTHONHASHSEED": SEED,
                "OTEL_RESOURCE_ATTRIBUTES": f"kvmiss.worker={WORKER}", "OTEL_SERVICE_NAME": "vllm-cpu"}
