@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The compiled parts -- the residency table (enricher/_blocktable.c) and the span scanner
+# The compiled parts -- the residency table (enricher/core/_blocktable.c) and the span scanner
 # (enricher/_otlpwire.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
 # them instrumented, run the tests that drive them hardest (differential tests against the
 # reference models, fuzzers, hostile input, retention), then put the normal builds back.
@@ -15,13 +15,13 @@ restore() {
     done
 }
 trap restore EXIT
-for module in _blocktable _otlpwire; do
-    so=$(ls enricher/${module}*.so)
+for source in enricher/core/_blocktable.c enricher/_otlpwire.c; do
+    so=$(ls "${source%.c}"*.so)
     backup=$(mktemp)
     cp "$so" "$backup"
     backups+=("$so:$backup")
     gcc -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fPIC -shared -I"$include" \
-        enricher/${module}.c -o "$so"
+        "$source" -o "$so"
 done
 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

@@ -23,7 +23,7 @@ from importlib.metadata import version
 
 import cbor2
 
-from kvmiss.enricher.hashing import BlockHasher
+from kvmiss.enricher.core.hashing import BlockHasher
 
 PROMPTS = 2_000
 BLOCKS_PER_PROMPT = 64

@@ -16,8 +16,8 @@ import gc
 import random
 import tracemalloc
 
-from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.residency_table import ACCELERATED
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.residency_table import ACCELERATED
 from kvmiss.schemas.events import BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 

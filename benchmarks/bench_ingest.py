@@ -19,10 +19,10 @@ import time
 
 import msgspec
 
+from kvmiss.collectors.continuity import Apply
 from kvmiss.collectors.frames import parse_live
 from kvmiss.collectors.stream import WorkerStream
-from kvmiss.collectors.continuity import Apply
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.events import BlockRemoved, BlockStored, EventBatch, decode_batch
 
 STORES_PER_BATCH = 4

@@ -393,10 +393,10 @@ def pipeline_only(args) -> None:
 
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from kvmiss.enricher.attribution import Attributor
-    from kvmiss.enricher.index import ResidencyIndex
+    from kvmiss.enricher.core.attribution import Attributor
+    from kvmiss.enricher.core.index import ResidencyIndex
+    from kvmiss.enricher.core.privacy import DigestKey
     from kvmiss.enricher.pipeline import Pipeline
-    from kvmiss.enricher.privacy import DigestKey
     from kvmiss.schemas.stream import AppliedBatch, RunStart
 
     index = ResidencyIndex([f"w{w}" for w in range(args.workers)])

@@ -15,9 +15,9 @@ import argparse
 import random
 import time
 
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.privacy import DigestKey
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.schemas.attribution import RequestFacts
 from kvmiss.schemas.events import BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart

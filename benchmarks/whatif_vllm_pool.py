@@ -276,7 +276,7 @@ class Run:
         from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
 
         try:
-            from kvmiss.enricher.hashing import external_hash
+            from kvmiss.enricher.core.hashing import external_hash
         except ImportError:  # kvmiss installed --no-deps without xxhash: the same function
             from kvmiss.schemas.events import canonical_hash as external_hash
 
@@ -508,7 +508,7 @@ class Run:
             raise CheckFailed("the recording does not rebuild the pool's cached set")
         # 3. kvmiss's hashing reproduces vLLM's chains (prompt + the output blocks)
         try:
-            from kvmiss.enricher.hashing import BlockHasher
+            from kvmiss.enricher.core.hashing import BlockHasher
         except ImportError as exc:  # xxhash missing in this venv
             hashing = f"skipped ({exc})"
         else:

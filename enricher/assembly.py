@@ -25,11 +25,11 @@ from typing import Any
 
 import msgspec
 
-from kvmiss.enricher.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
-from kvmiss.schemas.prompt import ExtraKeysSpec
+from kvmiss.enricher.core.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
+from kvmiss.enricher.core.verdict import lookup_limit_tokens
 from kvmiss.enricher.spans import SpanFacts
-from kvmiss.enricher.verdict import lookup_limit_tokens
 from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
+from kvmiss.schemas.prompt import ExtraKeysSpec
 
 
 _extra_keys_decoder = msgspec.json.Decoder(ExtraKeysSpec)

@@ -13,7 +13,7 @@ import collections
 from typing import Callable
 
 from kvmiss.collectors.continuity import Apply, StreamAction, TailConfirmed
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.index import ResidencyIndex
 
 PRUNE_EVERY_S = 5.0
 

@@ -16,9 +16,9 @@ import msgspec
 from kvmiss.collectors.continuity import Apply
 from kvmiss.collectors.fleet import DEALER, TICK, Fleet, play_recording
 from kvmiss.collectors.recording import ReadStats, read_recording
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.privacy import DigestKey
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.schemas.attribution import LABEL_OWNER, AttributionRecord, Label, Owner, RequestFacts
 from kvmiss.schemas.config import WorkerSpec
 

@@ -35,12 +35,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
                                      incomplete_verdict, join_target, to_request_facts)
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.hashing import BlockHasher
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher
+from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.enricher.spans import (OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
                                   delete_attributes, encode_attributes, rewrite_request, strip_marked, upsert_attributes,
                                   upsert_marked, verdict_attributes)
-from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.pipeline")

@@ -26,17 +26,17 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from kvmiss.collectors.continuity import StreamAction, StreamConfig
 from kvmiss.collectors.fleet import Fleet
 from kvmiss.collectors.subscriber import Subscriber
-from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher, HashingError
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey, load_digest_key
+from kvmiss.enricher.exporter import ExportQueue, build_exporters
 from kvmiss.enricher.handoff import IndexFeed
 from kvmiss.enricher.journal import SpanJournal
-from kvmiss.enricher.exporter import ExportQueue, build_exporters
-from kvmiss.enricher.hashing import BlockHasher, HashingError
-from kvmiss.enricher.index import ResidencyIndex
 from kvmiss.enricher.listener import BodyRefused, ConnectionBounds, HttpListener, LimitLog, answer_and_close, read_body
 from kvmiss.enricher.metrics import KvmissCollector
-from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.privacy import DigestKey, load_digest_key
 from kvmiss.enricher.otlp import ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
+from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.receiver import Receivers, parse_listen
 from kvmiss.enricher.spans import WIRE_SCAN, SpanReader
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict

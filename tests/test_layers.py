@@ -1,11 +1,13 @@
 """Imports flow one way: a lower layer never imports a higher one (docs/ARCHITECTURE.md).
 
-    schemas -> collectors -> attribution core -> OTLP edge -> service -> front ends
+    schemas -> collectors -> core (estimates beside it) -> otlp -> service -> cli, demo, report
 
-Every module of the three packages is read with `ast` (not imported), every `kvmiss.*`
-import in it -- top level or inside a function -- is placed on its layer, and an import of a
-higher layer fails the test naming both modules. A module not placed on any layer fails too,
-so a new module has to be given one.
+A module's layer is its folder in enricher/ (core/, estimates/, otlp/, service/, and the front
+ends cli/, demo/, report/). Estimates stand at the core's level but apart from the proofs:
+nothing in core/ imports estimates/. Every module of the three packages is read with `ast`
+(not imported), every `kvmiss.*` import in it -- top level or inside a function -- is placed
+on its layer, and an import of a higher layer fails the test naming both modules. A module
+not placed on any layer fails too, so a new module has to go into a layer's folder.
 """
 
 from __future__ import annotations
@@ -18,28 +20,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"schemas": "kvmiss.schemas", "collectors": "kvmiss.collectors", "enricher": "kvmiss.enricher"}
 
-CORE = ("hashing", "index", "residency_table", "evidence", "verdict", "attribution", "divergence", "privacy",
-        "speculative", "compare", "whatif")
-EDGE = ("receiver", "listener", "otlp", "spans", "assembly", "exporter", "journal")
-SERVICE = ("pipeline", "service", "metrics", "handoff", "inprocess", "offline", "vllm_plugin")
-FRONT = ("cli", "demo", "report")
-LAYERS = ["schemas", "collectors", "attribution core", "OTLP edge", "service", "front ends"]
+FOLDERS = {"core": 2, "estimates": 2, "otlp": 3, "service": 4, "cli": 5, "demo": 5, "report": 5}
+APART = {("core", "estimates")}  # (importer's folder, imported folder): the same layer, still never
+# Modules directly in enricher/, with the folder whose layer they are on.
+TOP_LEVEL = {"whatif": "estimates", "receiver": "otlp", "listener": "otlp", "otlp": "otlp", "spans": "otlp",
+             "_otlpwire": "otlp", "assembly": "otlp", "exporter": "otlp", "journal": "otlp", "pipeline": "service",
+             "service": "service", "metrics": "service", "handoff": "service", "inprocess": "service",
+             "offline": "service", "vllm_plugin": "service"}
+
+
+def folder_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] in (["kvmiss", "schemas"], ["kvmiss", "collectors"]):
+        return parts[1]
+    if parts[:2] != ["kvmiss", "enricher"] or len(parts) < 3:
+        return None
+    if parts[2] in FOLDERS:
+        return parts[2]
+    return TOP_LEVEL.get(parts[2]) if len(parts) == 3 else None
 
 
 def layer_of(module: str) -> int | None:
-    parts = module.split(".")
-    if parts[:2] == ["kvmiss", "schemas"]:
-        return 0
-    if parts[:2] == ["kvmiss", "collectors"]:
-        return 1
-    if parts[:2] != ["kvmiss", "enricher"] or len(parts) < 3:
-        return None
-    name = parts[2].lstrip("_")
-    name = {"blocktable": "residency_table", "otlpwire": "spans"}.get(name, name)  # the compiled twins
-    for index, names in ((2, CORE), (3, EDGE), (4, SERVICE), (5, FRONT)):
-        if name in names:
-            return index
-    return None
+    folder = folder_of(module)
+    return {"schemas": 0, "collectors": 1}.get(folder, FOLDERS.get(folder))
 
 
 def modules() -> list[tuple[str, Path]]:
@@ -73,6 +76,12 @@ def imports(module: str, path: Path) -> set[str]:
     return out
 
 
+def violations(module: str, imported: set[str]) -> list[str]:
+    mine, folder = layer_of(module), folder_of(module)
+    return sorted(f"{name} ({folder_of(name)})" for name in imported if layer_of(name) is not None
+                  and (layer_of(name) > mine or (folder, folder_of(name)) in APART))
+
+
 MODULES = modules()
 
 
@@ -83,17 +92,17 @@ def test_every_module_has_a_layer():
 
 @pytest.mark.parametrize("module,path", MODULES, ids=[m for m, _ in MODULES])
 def test_no_module_imports_a_higher_layer(module, path):
-    mine = layer_of(module)
-    if mine is None:
+    if layer_of(module) is None:
         return
-    upward = sorted(f"{name} ({LAYERS[layer_of(name)]})" for name in imports(module, path)
-                    if layer_of(name) is not None and layer_of(name) > mine)
-    assert not upward, f"{module} ({LAYERS[mine]}) imports a higher layer: {upward}"
+    wrong = violations(module, imports(module, path))
+    assert not wrong, f"{module} ({folder_of(module)}) imports a higher layer or one kept apart: {wrong}"
 
 
 def test_the_check_sees_an_upward_import(tmp_path):
-    """The check itself can fail: a core module importing the pipeline is caught."""
+    """The check itself can fail: a core module importing the pipeline, the CLI or an estimate is caught."""
     bad = tmp_path / "verdict.py"
-    bad.write_text("from kvmiss.enricher.pipeline import Pipeline\n\ndef f():\n    import kvmiss.enricher.cli\n")
-    found = imports("kvmiss.enricher.verdict", bad)
-    assert {layer_of(n) for n in found} == {4, 5}
+    bad.write_text("from kvmiss.enricher.pipeline import Pipeline\n\ndef f():\n    import kvmiss.enricher.cli\n"
+                   "    from kvmiss.enricher.estimates import pool\n")
+    found = violations("kvmiss.enricher.core.verdict", imports("kvmiss.enricher.core.verdict", bad))
+    assert found == ["kvmiss.enricher.cli (cli)", "kvmiss.enricher.estimates (estimates)",
+                     "kvmiss.enricher.pipeline (service)"]

@@ -21,9 +21,9 @@ import sys
 
 import msgspec
 
-from kvmiss.enricher.compare import compare, snippet
-from kvmiss.enricher.hashing import HashingError
-from kvmiss.enricher.privacy import DigestKey, DigestKeyError, load_digest_key
+from kvmiss.enricher.core.compare import compare, snippet
+from kvmiss.enricher.core.hashing import HashingError
+from kvmiss.enricher.core.privacy import DigestKey, DigestKeyError, load_digest_key
 from kvmiss.schemas.prompt import HashRequest
 
 _decoder = msgspec.json.Decoder(HashRequest)

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def compute(raw: bytes) -> dict:
     """Decode one request and hash it; raises `InputError` naming the field at fault."""
-    from kvmiss.enricher.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
+    from kvmiss.enricher.core.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
 
     try:
         req = _decoder.decode(raw)

@@ -119,8 +119,8 @@ def _check(config) -> int:
     """What `serve` would run, from the validated config: no sockets, never the key."""
     from google.protobuf.internal import api_implementation
 
-    from kvmiss.enricher.privacy import DigestKeyError, load_digest_key
-    from kvmiss.enricher.residency_table import ACCELERATED
+    from kvmiss.enricher.core.privacy import DigestKeyError, load_digest_key
+    from kvmiss.enricher.core.residency_table import ACCELERATED
     from kvmiss.enricher.spans import WIRE_SCAN
 
     privacy = config.privacy

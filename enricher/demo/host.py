@@ -28,9 +28,9 @@ import msgspec
 from kvmiss.collectors.continuity import (
     Apply, EpochUncertain, Hole, NewEpoch, Quarantine, Release, StreamAction,
 )
-from kvmiss.enricher.index import GPU, canonical_medium
+from kvmiss.enricher.core.index import GPU, canonical_medium
+from kvmiss.enricher.core.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.enricher.service import Service
-from kvmiss.enricher.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.schemas.attribution import AttributionRecord, RequestFacts, Verdict
 from kvmiss.schemas.config import Config, parse_config
 from kvmiss.schemas.events import BlockStored

@@ -14,8 +14,8 @@ import enum
 
 import msgspec
 
-from kvmiss.enricher.hashing import lookup_limit_tokens
-from kvmiss.enricher.index import GPU, ResidencyIndex
+from kvmiss.enricher.core.hashing import lookup_limit_tokens
+from kvmiss.enricher.core.index import GPU, ResidencyIndex
 from kvmiss.schemas.attribution import Label
 from kvmiss.schemas.stream import RunStart
 

@@ -21,8 +21,8 @@ import random
 
 import msgspec
 
+from kvmiss.enricher.core.hashing import BlockHasher, LoraRef, RequestExtras, external_hash
 from kvmiss.enricher.demo.engine import SimRequest
-from kvmiss.enricher.hashing import BlockHasher, LoraRef, RequestExtras, external_hash
 from kvmiss.schemas.prompt import ExtraKeysSpec, LoraSpec
 
 VOCAB = 32_000

@@ -564,7 +564,7 @@ def tails(sink: Collected) -> list[TailConfirmed]:
 
 
 def test_an_idle_worker_gets_its_tail_confirmed_and_the_index_then_reaches_past_its_last_batch(rig):
-    from kvmiss.enricher.index import ResidencyIndex
+    from kvmiss.enricher.core.index import ResidencyIndex
 
     r = rig(config=PROBING)
     r.start_collector()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 from fleet_builders import WorkerFeed
 
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.hashing import BlockHasher, external_hash, extras_from_spec
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher, external_hash, extras_from_spec
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import DivergenceKind, Label, RequestFacts
 from kvmiss.schemas.events import BlockStored
 from kvmiss.schemas.prompt import ExtraKeysSpec, LoraSpec, MMSpec

@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 from fleet_builders import PARENT, H, WorkerFeed, cleared, removed, request, stored
 
-from kvmiss.enricher.evidence import gather
-from kvmiss.enricher.index import ResidencyIndex, canonical_medium
-from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.evidence import gather
+from kvmiss.enricher.core.index import ResidencyIndex, canonical_medium
 from kvmiss.schemas.attribution import ClockOffset, History, Label, Presence, WindowStart
 from kvmiss.schemas.stream import RunStart
 
@@ -292,7 +292,7 @@ class TestSameStepCopies:
 def test_the_pruned_filter_stays_accurate_however_many_records_are_dropped():
     import random
 
-    from kvmiss.enricher.index import PrunedFilter
+    from kvmiss.enricher.core.index import PrunedFilter
 
     rng = random.Random(5)
     pruned, dropped = PrunedFilter(), [rng.getrandbits(64) for _ in range(300_000)]

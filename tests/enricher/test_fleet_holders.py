@@ -4,8 +4,8 @@ the first-miss block at lookup time; a worker whose hold can be neither proven n
 demo's ground truth (a quarantined holder made an eviction look like the cause)."""
 from fleet_builders import H, WorkerFeed, removed, request, stored
 
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import Label
 from kvmiss.schemas.stream import RunStart
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from shared_data import load_json
 
-from kvmiss.enricher.hashing import (
+from kvmiss.enricher.core.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HASH_FUNCTIONS,
     BlockHasher,

@@ -21,11 +21,11 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvmiss.collectors.continuity import Apply
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.inprocess import EnrichingSpanExporter
-from kvmiss.enricher.privacy import DigestKey
 from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.span_attributes import InputNames
 

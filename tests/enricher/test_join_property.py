@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pipeline import Clock, Sink, attrs, export_request, make, timed_request
 
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.index import ResidencyIndex
 
 SETTINGS = settings(max_examples=int(os.environ.get("KVMISS_FUZZ_EXAMPLES", 200)), deadline=None)
 ASSEMBLE_WAIT_S = 15.0

@@ -10,10 +10,10 @@ from prometheus_client.openmetrics.exposition import generate_latest
 from test_pipeline import Clock, Sink, evicted_history, export_request, router_span, engine_span
 
 from kvmiss.collectors.stream import WorkerStream
-from kvmiss.enricher.attribution import Attributor
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.privacy import DigestKey
 from fleet_builders import H
 
 

@@ -11,9 +11,9 @@ import pytest
 from fleet_builders import H, WorkerFeed, removed, stored
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.otlp import Outcome
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.schemas import span_attributes as names

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmiss.enricher.privacy import DigestKey, DigestKeyError, load_digest_key
-from kvmiss.enricher.verdict import REASON_MAX_CHARS, attribute
+from kvmiss.enricher.core.privacy import DigestKey, DigestKeyError, load_digest_key
+from kvmiss.enricher.core.verdict import REASON_MAX_CHARS, attribute
 from kvmiss.schemas.attribution import (
     LABEL_OWNER,
     Evidence,

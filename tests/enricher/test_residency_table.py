@@ -1,4 +1,4 @@
-"""The compiled residency table against its reference model (enricher/residency_table.py).
+"""The compiled residency table against its reference model (enricher/core/residency_table.py).
 
 Both get the same random stream of stores, removals, clears and prunes, and must give the
 same answer to every query after every step. Hash values are drawn from a small pool so
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmiss.enricher import residency_table
-from kvmiss.enricher.residency_table import PyBlockTable
+from kvmiss.enricher.core import residency_table
+from kvmiss.enricher.core.residency_table import PyBlockTable
 
 compiled = pytest.mark.skipif(not residency_table.ACCELERATED, reason="the C table was not built (no compiler at install)")
 
@@ -149,7 +149,7 @@ def _event(kind: str, hashes: list[int], medium: str | None, group: int | None):
 def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches):
     """EpochView's compiled applier (any mix of media, groups and mid-batch clears) against
     its own Python loop over the same tables."""
-    from kvmiss.enricher.index import EpochView
+    from kvmiss.enricher.core.index import EpochView
     from kvmiss.schemas.stream import AppliedBatch, RunStart
 
     fast, slow = EpochView("w", 0, None), EpochView("w", 0, None)
@@ -177,7 +177,7 @@ def test_the_batch_log_bisect_matches_the_standard_library(seqs, seq, times, t):
     import bisect
     from array import array
 
-    from kvmiss.enricher.residency_table import bisect_left
+    from kvmiss.enricher.core.residency_table import bisect_left
     log_seq, log_ts = array("q", sorted(seqs)), array("d", sorted(times))
     assert bisect_left(log_seq, seq) == bisect.bisect_left(log_seq, seq)
     assert bisect_left(log_ts, t) == bisect.bisect_left(log_ts, t)
@@ -188,7 +188,7 @@ def test_the_batch_log_bisect_matches_the_standard_library(seqs, seq, times, t):
 def test_a_seq_past_the_tables_range_starts_a_fresh_view_instead_of_stopping_the_flow():
     """2^40 batches past an epoch's first cannot be packed; such a seq is garbage that passed
     continuity as a hole. The index keeps going with a fresh view (no residency carried over)."""
-    from kvmiss.enricher.index import ResidencyIndex
+    from kvmiss.enricher.core.index import ResidencyIndex
     from kvmiss.schemas.events import BlockStored
     from kvmiss.schemas.stream import AppliedBatch, RunStart
 

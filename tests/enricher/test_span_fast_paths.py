@@ -22,10 +22,10 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from kvmiss.enricher import spans as S
 from kvmiss.enricher.assembly import ENGINE_FACTS, Assembly, Fragment, to_request_facts
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.verdict import lookup_limit_tokens
 from kvmiss.enricher.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
-from kvmiss.enricher.verdict import lookup_limit_tokens
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import (Divergence, DivergenceKind, History, Label, Owner, TransferAttempt,
                                        TransferResult, Verdict, WindowStart)

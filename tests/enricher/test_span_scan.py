@@ -27,12 +27,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from test_span_fast_paths import CUSTOM, READERS, SETTINGS, spans
 from wire_scan_check import check_against_reference
 from kvmiss.enricher import otlp, spans as S
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.schemas import span_attributes as names
-from kvmiss.schemas.stream import AppliedBatch, RunStart
 from kvmiss.schemas.events import BlockStored
+from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 # Whole requests cost more to draw than single spans: fewer of them (KVMISS_FUZZ_EXAMPLES still rules).
 REQUEST_SETTINGS = settings(SETTINGS, max_examples=int(os.environ.get("KVMISS_FUZZ_EXAMPLES", 100)))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fleet_builders import H, WorkerFeed, request
 
-from kvmiss.enricher.evidence import gather
-from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.speculative import LatencyReservoir, SpeculativeEntries
+from kvmiss.enricher.core.evidence import gather
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.schemas.attribution import Presence
 
 

@@ -13,9 +13,9 @@ from fleet_builders import H, WorkerFeed, removed, request, stored
 from test_pipeline import Clock, attrs, engine_span, export_request, make, router_span
 
 from kvmiss.collectors.continuity import Apply, TailConfirmed
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.evidence import gather
-from kvmiss.enricher.index import EpochView, ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.evidence import gather
+from kvmiss.enricher.core.index import EpochView, ResidencyIndex
 from kvmiss.schemas.attribution import History, Label, Presence
 from kvmiss.schemas.stream import RunStart
 

@@ -11,7 +11,7 @@ import math
 import msgspec
 import pytest
 
-from kvmiss.enricher.verdict import attribute, lookup_limit_tokens
+from kvmiss.enricher.core.verdict import attribute, lookup_limit_tokens
 from kvmiss.schemas.attribution import (
     LABEL_OWNER,
     ClockOffset,

@@ -25,9 +25,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvmiss.enricher import vllm_plugin as plugin
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.hashing import external_hash
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import external_hash
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.span_attributes import PREFIX_LOOKUP_SPAN, InputNames

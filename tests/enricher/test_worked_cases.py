@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fleet_builders import H, WorkerFeed, removed, request, stored
 
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.privacy import DigestKey
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.schemas.attribution import History, Label, RequestFacts
 from kvmiss.schemas.stream import RunStart
 

@@ -15,11 +15,11 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 
 from kvmiss.collectors.continuity import HoleReason
 from kvmiss.collectors.stream import WorkerStream
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.privacy import DigestKey
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

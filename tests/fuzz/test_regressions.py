@@ -20,11 +20,11 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvmiss.collectors.recording import MAGIC, ReadStats, RecordedMessage, RecordingWriter, read_recording
-from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.cli import decode_cmd
 from kvmiss.enricher.cli.hash_cmd import compute
-from kvmiss.enricher.hashing import BlockHasher
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.enricher.receiver import JSON, Receivers, _Rejected, parse_otlp_json
 from kvmiss.enricher.spans import SpanReader
@@ -210,7 +210,7 @@ def test_a_count_that_is_not_an_int64_is_a_bad_attribute_not_an_exception(value)
     assert pipe.stats.spans_out == 2
 
 
-# --- kvmiss hash / compare (enricher/hashing.py) ------------------------------------------
+# --- kvmiss hash / compare (enricher/core/hashing.py) -------------------------------------
 
 
 def test_a_huge_block_size_hashes_nothing_instead_of_overflowing():

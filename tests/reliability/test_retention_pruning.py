@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import random
 
-from kvmiss.enricher.attribution import Attributor
-from kvmiss.enricher.index import PrunedFilter, ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import PrunedFilter, ResidencyIndex
 from kvmiss.schemas.attribution import Label, RequestFacts
 from kvmiss.schemas.events import BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart

@@ -30,13 +30,13 @@ from prometheus_client import exposition as prom_text
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvmiss.collectors.stream import WorkerStream
-from kvmiss.enricher.attribution import Attributor
 from kvmiss.enricher.cli import decode_cmd
-from kvmiss.enricher.hashing import BlockHasher, external_hash, extras_from_spec
-from kvmiss.enricher.index import ResidencyIndex
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher, external_hash, extras_from_spec
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.privacy import DigestKey
 from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.events import BlockStored
 from kvmiss.schemas.prompt import ExtraKeysSpec, LoraSpec

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Iterable, NamedTuple
 
-from kvmiss.enricher.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
+from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
 from kvmiss.schemas.attribution import (
     ClockOffset,
     Evidence,

@@ -11,11 +11,11 @@ from typing import Collection
 
 import msgspec
 
-from kvmiss.enricher.divergence import diverge
-from kvmiss.enricher.evidence import Clocks, gather
-from kvmiss.enricher.index import ResidencyIndex
-from kvmiss.enricher.privacy import DigestKey
-from kvmiss.enricher.verdict import attribute, lookup_limit_tokens
+from kvmiss.enricher.core.divergence import diverge
+from kvmiss.enricher.core.evidence import Clocks, gather
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.privacy import DigestKey
+from kvmiss.enricher.core.verdict import attribute, lookup_limit_tokens
 from kvmiss.schemas.attribution import (
     AttributionRecord,
     Divergence,

@@ -16,7 +16,7 @@ never carried across). Inside a view:
     sends nothing, so this is how its history reaches a lookup after its last batch.
   * ``runs``: stretches of continuous history (see `schemas.stream.RunStart`).
   * ``clears``: observed AllBlocksCleared (seq, ts): known-empty points.
-  * ``media``: medium -> `BlockTable` (enricher/residency_table.py): the *latest*
+  * ``media``: medium -> `BlockTable` (enricher/core/residency_table.py): the *latest*
     residency interval of each block on that medium, older ones chained behind it, and a
     retention queue of closed ones. Copies are reference-counted per (medium, group): tiers
     and the lookup-limit recompute store one hash twice, and one `BlockRemoved` does not
@@ -34,8 +34,8 @@ import collections
 from array import array
 from typing import Iterable, Iterator, NamedTuple
 
-from kvmiss.enricher.divergence import SiblingRegistry
-from kvmiss.enricher.residency_table import SEQ_SPAN, Applier, BlockTable, bisect_left, warn_if_not_accelerated
+from kvmiss.enricher.core.divergence import SiblingRegistry
+from kvmiss.enricher.core.residency_table import SEQ_SPAN, Applier, BlockTable, bisect_left, warn_if_not_accelerated
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
@@ -170,7 +170,7 @@ class EpochView:
         self.log_base = 0  # entries dropped from the front of the log by retention
         self.runs: list[Run] = []
         self.clears: list[tuple[int, float]] = []
-        # Residency records (enricher/residency_table.py), per medium for KV-cache group 0
+        # Residency records (enricher/core/residency_table.py), per medium for KV-cache group 0
         # (full attention: what a prefix lookup is judged on) and per (medium, group) for
         # the others: the same hash in two groups is two different blocks. Created at the
         # first batch, relative to its seq.

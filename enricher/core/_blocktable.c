@@ -1,6 +1,6 @@
 /* BlockTable: the residency records of one medium (and KV-cache group) of one worker epoch.
  *
- * The C twin of enricher/residency_table.py (PyBlockTable, the reference model: read that
+ * The C twin of enricher/core/residency_table.py (PyBlockTable, the reference model: read that
  * first, it states the rules in a dozen lines; tests/enricher/test_residency_table.py checks
  * the two agree on random event streams). This file exists for two numbers in issue #4:
  * >= 1 M block events/s through the index and <= 64 bytes per resident block. A Python dict
@@ -722,7 +722,7 @@ static PySequenceMethods BlockTable_as_sequence = {
 
 static PyTypeObject BlockTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvmiss.enricher._blocktable.BlockTable",
+    .tp_name = "kvmiss.enricher.core._blocktable.BlockTable",
     .tp_doc = PyDoc_STR("Residency intervals of one medium of one worker epoch, keyed by uint64 block hash."),
     .tp_basicsize = sizeof(BlockTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -735,7 +735,7 @@ static PyTypeObject BlockTableType = {
 
 /* --- Applier: a batch's events into a worker epoch's tables, in one call ------------------
  *
- * EpochView.apply's loop in C (its Python form stays in enricher/index.py for the reference
+ * EpochView.apply's loop in C (its Python form stays in enricher/core/index.py for the reference
  * model). It knows the event Structs' field names (block_hashes, medium, group_idx) and
  * nothing else: tables are looked up in the view's own dict, keyed (raw medium, group), whose
  * values are (gpu_group0, BlockTable). It stops at the first event it cannot handle -- a
@@ -980,7 +980,7 @@ fail:
 
 static PyTypeObject ApplierType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvmiss.enricher._blocktable.Applier",
+    .tp_name = "kvmiss.enricher.core._blocktable.Applier",
     .tp_doc = PyDoc_STR("Applier(tables, same_step, stored_type, removed_type, note=None)(events, seq, ts, start=0) -> index\n\n"
                         "Apply events[start:] to the tables; returns the index of the first event left to the caller."),
     .tp_basicsize = sizeof(Applier),
@@ -1047,8 +1047,8 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvmiss.enricher._blocktable",
-    .m_doc = "Compact residency table (see enricher/residency_table.py for the reference model).",
+    .m_name = "kvmiss.enricher.core._blocktable",
+    .m_doc = "Compact residency table (see enricher/core/residency_table.py for the reference model).",
     .m_size = -1,
     .m_methods = module_methods,
 };

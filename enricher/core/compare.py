@@ -14,7 +14,7 @@ from typing import Callable
 
 import msgspec
 
-from kvmiss.enricher.hashing import BlockHasher, extras_from_spec
+from kvmiss.enricher.core.hashing import BlockHasher, extras_from_spec
 from kvmiss.schemas.prompt import HashRequest
 
 

@@ -8,7 +8,7 @@ our history (a mid-epoch join).
 
 Two implementations with one interface:
 
-  * ``kvmiss.enricher._blocktable.BlockTable`` (enricher/_blocktable.c), compiled at install
+  * ``kvmiss.enricher.core._blocktable.BlockTable`` (enricher/core/_blocktable.c), compiled at install
     time: ~28 bytes per block and no Python object per block (issue #4's memory and
     throughput targets). Used whenever it imported.
   * `PyBlockTable` below: the reference model, plain and slow. It states the rules; the
@@ -169,7 +169,7 @@ class PyBlockTable:
 try:
     if os.environ.get("KVMISS_PURE_PYTHON_TABLE") == "1":  # to rule the C table in or out
         raise ImportError("KVMISS_PURE_PYTHON_TABLE=1")
-    from kvmiss.enricher._blocktable import Applier, BlockTable, bisect_left
+    from kvmiss.enricher.core._blocktable import Applier, BlockTable, bisect_left
     ACCELERATED = True
 except ImportError:  # built without a C compiler: the reference model, correct but slower
     from bisect import bisect_left  # noqa: F401  (the batch log's search; boxes each probe)
@@ -188,7 +188,7 @@ def warn_if_not_accelerated() -> bool:
         _warned = True
         logging.getLogger("kvmiss.index").warning(
             "!!! the residency index is using its pure-Python reference table, not the compiled "
-            "one (enricher/_blocktable.c was not built: no C compiler at install time, or "
+            "one (enricher/core/_blocktable.c was not built: no C compiler at install time, or "
             "KVMISS_PURE_PYTHON_TABLE=1): ingest is several times slower and each block costs "
             "~4x the memory. Reinstall kvmiss with a C compiler present. !!!")
     return ACCELERATED
