@@ -1,7 +1,7 @@
 """`kvmiss whatif --events REC --requests REQ --pool-blocks N`: how much of each worker's
 prompts a pool of N x scale blocks would have served, replayed from a recording of its KV
 events and the request records `kvmiss attribute` reads (with ``finish_time`` and
-``output_tokens``). An estimate under vLLM's pool policy (enricher/whatif.py), kept apart
+``output_tokens``). An estimate under vLLM's pool policy (enricher/estimates/whatif.py), kept apart
 from the proven labels: it never changes one.
 
 Without ``--pool-blocks`` the pool comes from ``[[workers]] pool_blocks`` in ``--config``.
@@ -18,8 +18,8 @@ import sys
 from kvmiss.collectors.continuity import Apply
 from kvmiss.collectors.fleet import Fleet, play_recording
 from kvmiss.collectors.recording import ReadStats, RecordingError
+from kvmiss.enricher.estimates.whatif import DEFAULT_SCALES, PoolRequest, curve, output_chains
 from kvmiss.enricher.offline import BadRequestLine, read_requests, workers_in_recording
-from kvmiss.enricher.whatif import DEFAULT_SCALES, PoolRequest, curve, output_chains
 from kvmiss.schemas.config import ConfigError, load_config
 from kvmiss.schemas.events import BlockStored
 

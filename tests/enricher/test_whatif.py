@@ -1,4 +1,4 @@
-"""What-if sizing (enricher/whatif.py, `kvmiss whatif`): the pool model against a brute-force
+"""What-if sizing (enricher/estimates/whatif.py, `kvmiss whatif`): the pool model against a brute-force
 simulation of the same policy, the regime where estimates are uncertain, output chains from
 parent links, and the command over a real recording file."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
-from kvmiss.enricher.whatif import PoolRequest, curve, output_chains, replay
+from kvmiss.enricher.estimates.whatif import PoolRequest, curve, output_chains, replay
 from kvmiss.schemas.events import BlockStored, EventBatch
 
 B = 4
