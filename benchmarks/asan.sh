@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The compiled parts -- the residency table (enricher/core/_blocktable.c) and the span scanner
-# (enricher/_otlpwire.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
+# (enricher/otlp/_otlpwire.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
 # them instrumented, run the tests that drive them hardest (differential tests against the
 # reference models, fuzzers, hostile input, retention), then put the normal builds back.
 #   usage: bash benchmarks/asan.sh   (needs gcc, .venv)
@@ -15,7 +15,7 @@ restore() {
     done
 }
 trap restore EXIT
-for source in enricher/core/_blocktable.c enricher/_otlpwire.c; do
+for source in enricher/core/_blocktable.c enricher/otlp/_otlpwire.c; do
     so=$(ls "${source%.c}"*.so)
     backup=$(mktemp)
     cp "$so" "$backup"

@@ -196,9 +196,9 @@ def receive(conn, child):
 async def kvmiss_side(args) -> None:
     from google.protobuf.internal import api_implementation
 
-    from kvmiss.enricher.exporter import ExportQueue, HttpExporter
-    from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, Outcome, span_count
-    from kvmiss.enricher.receiver import Receivers
+    from kvmiss.enricher.otlp.exporter import ExportQueue, HttpExporter
+    from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequest, Outcome, span_count
+    from kvmiss.enricher.otlp.receiver import Receivers
     from kvmiss.schemas.config import OtlpConfig
 
     class PassThrough:

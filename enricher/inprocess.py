@@ -59,14 +59,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvmiss.collectors.continuity import StreamAction
-from kvmiss.enricher.assembly import (Assembly, Fragment, MissingFacts, incomplete_verdict, join_target,
-                                     to_request_facts)
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.handoff import IndexFeed
-from kvmiss.enricher.spans import OUTPUT_NAMES, SpanReader, verdict_attributes
+from kvmiss.enricher.otlp.assembly import (Assembly, Fragment, MissingFacts, incomplete_verdict, join_target,
+                                          to_request_facts)
+from kvmiss.enricher.otlp.spans import OUTPUT_NAMES, SpanReader, verdict_attributes
 from kvmiss.schemas.attribution import RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.inprocess")

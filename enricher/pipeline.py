@@ -7,7 +7,7 @@
 
 A request that arrives with the protobuf bytes it was parsed from (OTLP/HTTP and gRPC
 protobuf) is read by the compiled wire scanner and written as edits to those bytes
-(`WireScanner`, `rewrite_request`, enricher/_otlpwire.c); anything the bytes path does not
+(`WireScanner`, `rewrite_request`, enricher/otlp/_otlpwire.c); anything the bytes path does not
 take is read and written through the parsed message by the reference rules, with the same
 result (tests/enricher/test_span_scan.py).
 
@@ -33,14 +33,14 @@ from typing import Any, Callable, Iterable, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
-                                     incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
-from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
-from kvmiss.enricher.spans import (OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
-                                  delete_attributes, encode_attributes, rewrite_request, strip_marked, upsert_attributes,
-                                  upsert_marked, verdict_attributes)
+from kvmiss.enricher.otlp.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
+                                          incomplete_verdict, join_target, to_request_facts)
+from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
+from kvmiss.enricher.otlp.spans import (OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
+                                       delete_attributes, encode_attributes, rewrite_request, strip_marked, upsert_attributes,
+                                       upsert_marked, verdict_attributes)
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.pipeline")

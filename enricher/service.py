@@ -30,15 +30,15 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey, load_digest_key
-from kvmiss.enricher.exporter import ExportQueue, build_exporters
 from kvmiss.enricher.handoff import IndexFeed
-from kvmiss.enricher.journal import SpanJournal
-from kvmiss.enricher.listener import BodyRefused, ConnectionBounds, HttpListener, LimitLog, answer_and_close, read_body
 from kvmiss.enricher.metrics import KvmissCollector
-from kvmiss.enricher.otlp import ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
+from kvmiss.enricher.otlp.exporter import ExportQueue, build_exporters
+from kvmiss.enricher.otlp.interfaces import ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
+from kvmiss.enricher.otlp.journal import SpanJournal
+from kvmiss.enricher.otlp.listener import BodyRefused, ConnectionBounds, HttpListener, LimitLog, answer_and_close, read_body
+from kvmiss.enricher.otlp.receiver import Receivers, parse_listen
+from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
 from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.receiver import Receivers, parse_listen
-from kvmiss.enricher.spans import WIRE_SCAN, SpanReader
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
 from kvmiss.schemas.config import Config
 
@@ -131,7 +131,7 @@ class Service:
             self.pipeline.stats.lost_on_restart = self.journal.lost_on_restart
         if not WIRE_SCAN:
             log.warning("!!! OTLP requests are read and written through parsed messages only: "
-                        "enricher/_otlpwire.c was not built (no C compiler at install time, or "
+                        "enricher/otlp/_otlpwire.c was not built (no C compiler at install time, or "
                         "KVMISS_PURE_PYTHON_OTLP=1): several us more CPU per span (benchmarks/RESULTS.md). Reinstall kvmiss "
                         "with a C compiler present. !!!")
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there

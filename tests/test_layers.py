@@ -23,8 +23,7 @@ PACKAGES = {"schemas": "kvmiss.schemas", "collectors": "kvmiss.collectors", "enr
 FOLDERS = {"core": 2, "estimates": 2, "otlp": 3, "service": 4, "cli": 5, "demo": 5, "report": 5}
 APART = {("core", "estimates")}  # (importer's folder, imported folder): the same layer, still never
 # Modules directly in enricher/, with the folder whose layer they are on.
-TOP_LEVEL = {"receiver": "otlp", "listener": "otlp", "otlp": "otlp", "spans": "otlp",
-             "_otlpwire": "otlp", "assembly": "otlp", "exporter": "otlp", "journal": "otlp", "pipeline": "service",
+TOP_LEVEL = {"pipeline": "service",
              "service": "service", "metrics": "service", "handoff": "service", "inprocess": "service",
              "offline": "service", "vllm_plugin": "service"}
 

@@ -9,7 +9,7 @@ from array import array
 import msgspec
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher import otlp, spans as S
+from kvmiss.enricher.otlp import interfaces, spans as S
 
 
 def _plain(value):
@@ -27,11 +27,11 @@ def check_against_reference(reader, drop, body: bytes, *, may_abstain: bool) -> 
     request = ExportTraceServiceRequest.FromString(body)
     table = reader._scan_table(drop)
     hits = S.WireScanner(table).scan(body)
-    counted = otlp.count_spans(body)
+    counted = interfaces.count_spans(body)
     if hits is None or counted is None:
         assert may_abstain, "the wire scanner abstained on a canonical encoding"
         return
-    assert counted == (otlp.span_count(request),
+    assert counted == (interfaces.span_count(request),
                        sum(len(s.trace_id) != 16 or len(s.span_id) != 8 for rs in request.resource_spans
                            for ss in rs.scope_spans for s in ss.spans))
     by_position = {hit[:3]: hit for hit in hits}

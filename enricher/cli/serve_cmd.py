@@ -65,7 +65,7 @@ def process_config(config, index: int):
     """The configuration of process ``index`` of a ``--processes`` group: every listen port
     moved up by ``index`` (port 0 stays 0: any free port), and its own export file and
     journal, so no two processes share a port or a file."""
-    from kvmiss.enricher.receiver import parse_listen
+    from kvmiss.enricher.otlp.receiver import parse_listen
 
     if index == 0:
         return config
@@ -121,7 +121,7 @@ def _check(config) -> int:
 
     from kvmiss.enricher.core.privacy import DigestKeyError, load_digest_key
     from kvmiss.enricher.core.residency_table import ACCELERATED
-    from kvmiss.enricher.spans import WIRE_SCAN
+    from kvmiss.enricher.otlp.spans import WIRE_SCAN
 
     privacy = config.privacy
     if privacy.digest_key or privacy.digest_key_env:
@@ -132,7 +132,7 @@ def _check(config) -> int:
             return 2
     else:
         key = "none configured: a random key per process (digests will not match across restarts)"
-    from kvmiss.enricher.exporter import build_exporters
+    from kvmiss.enricher.otlp.exporter import build_exporters
     try:  # the endpoint's scheme and TLS CA, as at start-up (the file is not opened here)
         build_exporters(msgspec.structs.replace(config.export, file=None))
     except (OSError, ValueError) as exc:

@@ -303,7 +303,7 @@ def test_a_finished_request_becomes_router_transfer_and_vllm_spans():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from kvmiss.enricher.demo.emit import as_int64, request_spans
-    from kvmiss.enricher.spans import SpanReader
+    from kvmiss.enricher.otlp.spans import SpanReader
 
     memory = InMemorySpanExporter()
     provider = TracerProvider()

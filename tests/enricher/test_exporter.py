@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from test_receiver import GOOD, otlp_request, sdk_spans
 from zmq_ports import free_port
 
-from kvmiss.enricher import exporter as exporter_module
-from kvmiss.enricher.exporter import (
+from kvmiss.enricher.otlp import exporter as exporter_module
+from kvmiss.enricher.otlp.exporter import (
     ExportQueue,
     GrpcExporter,
     HttpExporter,
@@ -32,8 +32,8 @@ from kvmiss.enricher.exporter import (
     classify_http,
     parse_retry_after,
 )
-from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, EncodedRequest, ExportResult, Outcome, request_bytes, span_count
-from kvmiss.enricher.receiver import Receivers, parse_otlp_json, retry_status_details
+from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequest, ExportResult, Outcome, request_bytes, span_count
+from kvmiss.enricher.otlp.receiver import Receivers, parse_otlp_json, retry_status_details
 from kvmiss.schemas.config import ExportConfig, OtlpConfig
 
 

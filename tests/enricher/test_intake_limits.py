@@ -33,11 +33,11 @@ from raw_clients import read_until_closed, trickle, until
 from test_receiver import EXPORT, RecordingConsumer, sdk_spans, serving
 from test_tls import pki  # noqa: F401  (a fixture: the TLS tests' certificates)
 
-from kvmiss.enricher import receiver as receiver_module
 from kvmiss.enricher.metrics import KvmissCollector
-from kvmiss.enricher.otlp import Outcome
+from kvmiss.enricher.otlp import receiver as receiver_module
+from kvmiss.enricher.otlp.interfaces import Outcome
+from kvmiss.enricher.otlp.receiver import ClientRates, Receivers, client_key, grpc_peer_host
 from kvmiss.enricher.pipeline import PipelineStats
-from kvmiss.enricher.receiver import ClientRates, Receivers, client_key, grpc_peer_host
 from kvmiss.schemas.config import OtlpConfig
 
 PROTOBUF = "application/x-protobuf"
@@ -154,7 +154,7 @@ class TestPerClientRate:
             for i in range(6):
                 await receivers._deliver(batch("flood", 50, 50 * i), "10.9.8.7")
 
-        with caplog.at_level(logging.WARNING, logger="kvmiss.enricher.receiver"):
+        with caplog.at_level(logging.WARNING, logger="kvmiss.enricher.otlp.receiver"):
             asyncio.run(scenario())
         lines = [r.getMessage() for r in caplog.records if "10.9.8.7" in r.getMessage()]
         assert len(lines) == 1 and "max_spans_per_s_per_client" in lines[0]

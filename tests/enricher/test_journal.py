@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmiss.enricher.journal import SpanJournal
+from kvmiss.enricher.otlp.journal import SpanJournal
 
 
 def test_a_clean_run_leaves_nothing_to_report(tmp_path):

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from raw_clients import read_until_closed, trickle, until
 
-from kvmiss.enricher.listener import (
+from kvmiss.enricher.otlp.listener import (
     BodyRefused,
     ConnectionBounds,
     HttpListener,

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
-from kvmiss.enricher.otlp import Outcome
+from kvmiss.enricher.otlp.interfaces import Outcome
 from kvmiss.enricher.pipeline import Pipeline
 from kvmiss.schemas import span_attributes as names
 
@@ -253,7 +253,7 @@ def test_a_raw_input_with_an_unusable_value_on_a_span_without_facts_is_still_str
 
 
 def test_raw_inputs_are_stripped_from_every_span_when_their_names_are_not_read():
-    from kvmiss.enricher.spans import SpanReader
+    from kvmiss.enricher.otlp.spans import SpanReader
     from kvmiss.schemas.span_attributes import InputNames
 
     reader = SpanReader(InputNames(block_hashes=["router.chain"]))  # kvmiss.block_hashes: not an input now
@@ -418,8 +418,8 @@ def test_two_requests_of_one_trace_with_unrelated_ids_stay_two_verdicts():
 
 
 def test_judged_requests_expire_after_keep_s_and_are_bounded():
-    from kvmiss.enricher.assembly import Assembly, Fragment, JudgedRequests
-    from kvmiss.enricher.spans import SpanFacts
+    from kvmiss.enricher.otlp.assembly import Assembly, Fragment, JudgedRequests
+    from kvmiss.enricher.otlp.spans import SpanFacts
 
     def assembly(trace: bytes, *ids: str) -> Assembly:
         a = Assembly(trace, ids[0], 0.0)
@@ -449,7 +449,7 @@ def test_judged_requests_expire_after_keep_s_and_are_bounded():
 
 
 def _enrich(span_spec: dict, *, wire: bool) -> tuple[dict, Pipeline]:
-    from kvmiss.enricher.spans import WIRE_SCAN
+    from kvmiss.enricher.otlp.spans import WIRE_SCAN
 
     if wire and not WIRE_SCAN:
         pytest.skip("the compiled wire path is not built")
@@ -486,7 +486,7 @@ def test_every_stale_output_name_is_replaced_by_exactly_the_verdicts_own(name, v
 
 @pytest.mark.parametrize("wire", [False, True], ids=["message", "bytes"])
 def test_a_span_kvmiss_does_not_enrich_keeps_its_kvmiss_attributes(wire):
-    from kvmiss.enricher.spans import WIRE_SCAN
+    from kvmiss.enricher.otlp.spans import WIRE_SCAN
 
     if wire and not WIRE_SCAN:
         pytest.skip("the compiled wire path is not built")

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvmiss.enricher.otlp import ACCEPTED, Outcome
-from kvmiss.enricher.receiver import Receivers, SpanRate
+from kvmiss.enricher.otlp.interfaces import ACCEPTED, Outcome
+from kvmiss.enricher.otlp.receiver import Receivers, SpanRate
 from kvmiss.schemas.config import ConfigError, OtlpConfig, parse_config
 
 

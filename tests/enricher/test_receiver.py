@@ -30,9 +30,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from zmq_ports import free_port
 
-from kvmiss.enricher import receiver as receiver_module
-from kvmiss.enricher.otlp import ACCEPTED, ConsumeResult, Outcome, span_count
-from kvmiss.enricher.receiver import Receivers, drop_invalid_spans, parse_listen, parse_otlp_json
+from kvmiss.enricher.otlp import receiver as receiver_module
+from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, Outcome, span_count
+from kvmiss.enricher.otlp.receiver import Receivers, drop_invalid_spans, parse_listen, parse_otlp_json
 from kvmiss.schemas.config import OtlpConfig
 
 PROTOBUF = "application/x-protobuf"
@@ -269,7 +269,7 @@ class TestHttpBodies:
         assert status == 200 and headers["Content-Type"].startswith(ctype)
         assert consumer.requests == [request]
         # The consumer gets the gunzipped protobuf bytes beside the message (it may read
-        # them instead, enricher/_otlpwire.c); JSON has no such bytes.
+        # them instead, enricher/otlp/_otlpwire.c); JSON has no such bytes.
         assert consumer.bodies == [body if ctype == PROTOBUF else None]
 
     def test_a_large_gzip_body_is_gunzipped_off_the_loop_intact(self):
@@ -484,7 +484,7 @@ class TestLifecycle:
     def test_protobuf_backend_is_upb_and_other_backends_warn(self, monkeypatch, caplog):
         assert receiver_module.check_protobuf_backend() == "upb"
         monkeypatch.setattr(receiver_module.api_implementation, "Type", lambda: "python")
-        with caplog.at_level(logging.WARNING, logger="kvmiss.enricher.receiver"):
+        with caplog.at_level(logging.WARNING, logger="kvmiss.enricher.otlp.receiver"):
             receiver_module.check_protobuf_backend()
         assert "60x slower" in caplog.text
 
@@ -508,6 +508,6 @@ class TestValidation:
 
 
 def _to_json(request: ExportTraceServiceRequest) -> bytes:
-    from kvmiss.enricher.exporter import to_otlp_json  # the exporter's writer, read back here
+    from kvmiss.enricher.otlp.exporter import to_otlp_json  # the exporter's writer, read back here
 
     return to_otlp_json(request).encode()

@@ -11,10 +11,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from PIL import Image
 
 from kvmiss.enricher.cli import main
-from kvmiss.enricher.exporter import to_otlp_json
+from kvmiss.enricher.otlp.exporter import to_otlp_json
+from kvmiss.enricher.otlp.spans import upsert_attributes, verdict_attributes
 from kvmiss.enricher.report import load_records, load_spans
 from kvmiss.enricher.report.data import Totals
-from kvmiss.enricher.spans import upsert_attributes, verdict_attributes
 from kvmiss.schemas.attribution import (
     LABEL_OWNER, AttributionRecord, Divergence, DivergenceKind, History, Label, Verdict,
 )

@@ -10,7 +10,7 @@ import time
 
 from zmq_ports import free_port
 
-from kvmiss.enricher.spans import WIRE_SCAN
+from kvmiss.enricher.otlp.spans import WIRE_SCAN
 
 
 def test_json_logs_are_one_object_per_line_and_sigterm_stops_cleanly(tmp_path):

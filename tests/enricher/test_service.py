@@ -22,8 +22,8 @@ from sglang_publisher import batch
 
 
 from kvmiss.enricher import service as service_module
-from kvmiss.enricher.listener import ConnectionBounds
-from kvmiss.enricher.receiver import parse_otlp_json
+from kvmiss.enricher.otlp.listener import ConnectionBounds
+from kvmiss.enricher.otlp.receiver import parse_otlp_json
 from kvmiss.enricher.service import Service
 from kvmiss.schemas.config import parse_config
 

@@ -1,5 +1,5 @@
-"""The compiled wire scanner (enricher/_otlpwire.c) against the reference scanner it replaces
-on the hot path (`SpanReader.scanner` over the parsed message, enricher/spans.py).
+"""The compiled wire scanner (enricher/otlp/_otlpwire.c) against the reference scanner it replaces
+on the hot path (`SpanReader.scanner` over the parsed message, enricher/otlp/spans.py).
 
 The rule under test: for the bytes of any request upb accepts, the wire scanner either
 answers exactly what the reference reads from the parsed message -- which spans carry an
@@ -26,7 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from test_span_fast_paths import CUSTOM, READERS, SETTINGS, spans
 from wire_scan_check import check_against_reference
-from kvmiss.enricher import otlp, spans as S
+from kvmiss.enricher.otlp import interfaces, spans as S
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.pipeline import Pipeline
@@ -43,7 +43,7 @@ compiled = pytest.mark.skipif(not S.WIRE_SCAN,
 def test_the_compiled_scanner_is_built_where_ci_requires_it():
     if os.environ.get("KVMISS_REQUIRE_ACCELERATED") != "1":
         pytest.skip("set KVMISS_REQUIRE_ACCELERATED=1 to require the compiled scanner")
-    assert S.WIRE_SCAN and otlp.count_spans(b"") == (0, 0)
+    assert S.WIRE_SCAN and interfaces.count_spans(b"") == (0, 0)
 
 
 # --- an encoder that writes what upb accepts, not only what it writes ---------------------------
@@ -269,7 +269,7 @@ def test_a_body_that_is_not_a_request_is_no_crash():
     reader = S.SpanReader()
     scanner = S.WireScanner(reader._scan_table(reader.raw_names()))
     for body in (b"\xff", b"\x0a\x05ab", b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", bytes(range(256))):
-        assert scanner.scan(body) is None and otlp.count_spans(body) is None
+        assert scanner.scan(body) is None and interfaces.count_spans(body) is None
     assert scanner.scan(b"") == [] and scanner.scan(memoryview(b"")) == []
 
 
@@ -285,8 +285,8 @@ class _Keep:
         return True
 
     def put(self, request):
-        self.out.append(otlp.request_bytes(request))
-        self.encoded += type(request) is otlp.EncodedRequest
+        self.out.append(interfaces.request_bytes(request))
+        self.encoded += type(request) is interfaces.EncodedRequest
         return True
 
 
@@ -326,7 +326,7 @@ def test_the_pipeline_exports_the_same_bytes_whether_it_works_on_the_bytes_or_th
 def test_the_scanner_refuses_a_table_it_cannot_hold():
     if not S.WIRE_SCAN:
         pytest.skip("the compiled OTLP wire path is not in use")
-    from kvmiss.enricher._otlpwire import Scanner
+    from kvmiss.enricher.otlp._otlpwire import Scanner
 
     with pytest.raises(ValueError, match="twice"):
         Scanner(("a", "a"), ((-1, 0, 5, 1), (-1, 0, 5, 1)), (), b"")
@@ -427,7 +427,7 @@ any_output_value = (st.text() | st.integers(-(2**64), 2**64) | st.booleans() | s
 @SETTINGS
 @given(st.dictionaries(st.text(max_size=20) | st.sampled_from(list(names.OUTPUTS)), any_output_value, max_size=10))
 def test_the_compiled_attribute_encoder_writes_what_the_python_one_writes_or_leaves_it_to_it(values):
-    from kvmiss.enricher._otlpwire import encode_attributes as encode_c
+    from kvmiss.enricher.otlp._otlpwire import encode_attributes as encode_c
 
     fast = encode_c(values)
     saved = S._encode_c

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from kvmiss.enricher.spans import SpanReader, strip_raw_inputs, upsert_attributes, verdict_attributes
+from kvmiss.enricher.otlp.spans import SpanReader, strip_raw_inputs, upsert_attributes, verdict_attributes
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import (
     History,

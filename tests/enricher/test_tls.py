@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from test_exporter import GrpcSink, HttpSink, batch_of, numbered, running
 from test_receiver import GOOD, EXPORT, RecordingConsumer, otlp_request, sdk_spans
 
-from kvmiss.enricher.exporter import GrpcExporter, HttpExporter, build_exporters
-from kvmiss.enricher.otlp import Outcome
-from kvmiss.enricher.receiver import Receivers, TlsFilesError, load_server_tls
+from kvmiss.enricher.otlp.exporter import GrpcExporter, HttpExporter, build_exporters
+from kvmiss.enricher.otlp.interfaces import Outcome
+from kvmiss.enricher.otlp.receiver import Receivers, TlsFilesError, load_server_tls
 from kvmiss.schemas.config import ConfigError, ExportConfig, OtlpConfig, parse_config
 
 OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"

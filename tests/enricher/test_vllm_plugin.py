@@ -28,8 +28,8 @@ from kvmiss.enricher import vllm_plugin as plugin
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import external_hash
 from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.otlp.spans import SpanReader
 from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.span_attributes import PREFIX_LOOKUP_SPAN, InputNames
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"

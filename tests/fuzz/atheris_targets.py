@@ -48,8 +48,8 @@ with atheris.instrument_imports(include=["kvmiss", "tomllib", "google.protobuf.j
 
     from kvmiss.collectors.frames import BatchMessage, FrameError, ReplayEnd, parse_any
     from kvmiss.enricher.cli import decode_cmd
-    from kvmiss.enricher.receiver import drop_invalid_spans, parse_otlp_json
-    from kvmiss.enricher.spans import WIRE_SCAN, SpanReader
+    from kvmiss.enricher.otlp.receiver import drop_invalid_spans, parse_otlp_json
+    from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
     from kvmiss.schemas.config import Config, ConfigError, parse_config
     from kvmiss.schemas.events import EventBatch, WireError, decode_batch, event_to_builtins
 
@@ -211,7 +211,7 @@ def seed_corpus() -> dict[str, list[bytes]]:
                 kv.value.array_value.values.add().int_value = i
         requests.append(request)
 
-    from kvmiss.enricher.exporter import to_otlp_json
+    from kvmiss.enricher.otlp.exporter import to_otlp_json
 
     example = (HERE.parents[1] / "examples" / "kvmiss.toml").read_bytes()
     return {

@@ -24,8 +24,8 @@ from wire_scan_check import check_against_reference
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from kvmiss.enricher.exporter import to_otlp_json
-from kvmiss.enricher.receiver import (
+from kvmiss.enricher.otlp.exporter import to_otlp_json
+from kvmiss.enricher.otlp.receiver import (
     JSON,
     PROTOBUF,
     Receivers,
@@ -34,7 +34,7 @@ from kvmiss.enricher.receiver import (
     drop_invalid_spans,
     parse_otlp_json,
 )
-from kvmiss.enricher.spans import WIRE_SCAN, SpanFacts, SpanReader
+from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanFacts, SpanReader
 from kvmiss.schemas.config import OtlpConfig
 from kvmiss.schemas.span_attributes import InputNames
 

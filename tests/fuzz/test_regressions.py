@@ -25,9 +25,9 @@ from kvmiss.enricher.cli.hash_cmd import compute
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.otlp.receiver import JSON, Receivers, _Rejected, parse_otlp_json
+from kvmiss.enricher.otlp.spans import SpanReader
 from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.receiver import JSON, Receivers, _Rejected, parse_otlp_json
-from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.config import ConfigError, OtlpConfig, parse_config
 from kvmiss.schemas.events import WireError, decode_batch, event_to_builtins
 
@@ -117,7 +117,7 @@ def test_a_record_with_a_valid_crc_and_nesting_past_the_limit_ends_the_recording
     assert stats.torn_tail and stats.torn_offset > len(MAGIC)
 
 
-# --- OTLP/JSON (enricher/receiver.py) -----------------------------------------------------
+# --- OTLP/JSON (enricher/otlp/receiver.py) ------------------------------------------------
 
 DEEP_VALUE = (b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"attributes":[{"key":"k","value":'
               + b'{"arrayValue":{"values":[' * 600 + b'{"intValue":1}' + b"]}}" * 600 + b"}]}]}]}]}")
@@ -163,7 +163,7 @@ def test_a_worker_port_of_thousands_of_digits_does_not_escape_as_value_error():
     assert parse_config("[[workers]]\nid='a'\nendpoint='tcp://h:5557'\ndp_rank=2\n").workers[0].sub_endpoint() == "tcp://h:5559"
 
 
-# --- span attributes (enricher/spans.py) and the pipeline behind them ---------------------
+# --- span attributes (enricher/otlp/spans.py) and the pipeline behind them ----------------
 
 
 def _span_request(attributes: dict) -> ExportTraceServiceRequest:

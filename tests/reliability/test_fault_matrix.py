@@ -55,7 +55,7 @@ from reliability_rig import (
     wait_until,
 )
 
-from kvmiss.enricher.exporter import retry_info_delay
+from kvmiss.enricher.otlp.exporter import retry_info_delay
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from fuzz.fuzz_support import all_logs_at_debug
 
-from kvmiss.enricher.receiver import parse_listen
+from kvmiss.enricher.otlp.receiver import parse_listen
 from kvmiss.enricher.service import Service
 from kvmiss.schemas import config as config_module
 from kvmiss.schemas.config import Config, load_config, parse_config

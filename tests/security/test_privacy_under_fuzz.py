@@ -36,8 +36,8 @@ from kvmiss.enricher.core.hashing import BlockHasher, external_hash, extras_from
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.metrics import KvmissCollector
+from kvmiss.enricher.otlp.spans import SpanReader
 from kvmiss.enricher.pipeline import Pipeline
-from kvmiss.enricher.spans import SpanReader
 from kvmiss.schemas.events import BlockStored
 from kvmiss.schemas.prompt import ExtraKeysSpec, LoraSpec
 from kvmiss.schemas.span_attributes import InputNames

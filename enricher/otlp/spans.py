@@ -8,7 +8,7 @@ gets a label twice) and strips raw prompt material before export.
 Works on the protobuf messages of ``opentelemetry.proto`` directly (the receiver forwards
 the request it received; converting to SDK spans would be lossy and slow). These are the
 reference rules; `WireScanner`, `rewrite_request` and the C half of `encode_attributes` are
-their compiled twin on the request's wire bytes (enricher/_otlpwire.c), which hands back to
+their compiled twin on the request's wire bytes (enricher/otlp/_otlpwire.c), which hands back to
 them whatever it does not take. The same reader
 also takes an SDK span's attribute mapping (`SpanReader.read_attributes`, for the in-process
 exporter, enricher/inprocess.py): both unwrap values to Python and share one set of rules.
@@ -24,7 +24,7 @@ import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as _SpanType
 
-from kvmiss.enricher.otlp import WIRE
+from kvmiss.enricher.otlp.interfaces import WIRE
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import TransferAttempt, TransferResult, Verdict
 from kvmiss.schemas.events import MASK64
@@ -58,7 +58,7 @@ class SpanFacts(msgspec.Struct, kw_only=True):
     # Worker named by the span's resource (``kvmiss.worker``); a span attribute wins over it.
     resource_worker: str | None = None
     # The span is the kvmiss vLLM plugin's `PREFIX_LOOKUP_SPAN`: its request id is the
-    # engine's, which may extend the API-level id (enricher/assembly.py joins them).
+    # engine's, which may extend the API-level id (enricher/otlp/assembly.py joins them).
     engine_lookup: bool = False
 
 
@@ -347,7 +347,7 @@ class SpanReader:
         return table
 
     def wire_scanner(self, drop: frozenset[str] = frozenset()) -> WireScanner | None:
-        """`scanner` for a whole request's protobuf bytes, compiled (enricher/_otlpwire.c);
+        """`scanner` for a whole request's protobuf bytes, compiled (enricher/otlp/_otlpwire.c);
         None when the extension was not built (or KVMISS_PURE_PYTHON_OTLP=1)."""
         if _Scanner is None:
             return None
@@ -469,7 +469,7 @@ _Scanner = None if WIRE is None else WIRE.Scanner
 _rewrite = None if WIRE is None else WIRE.rewrite
 _encode_c = None if WIRE is None else WIRE.encode_attributes
 
-WIRE_SCAN = _Scanner is not None  # whether enricher/_otlpwire.c was built and is used
+WIRE_SCAN = _Scanner is not None  # whether enricher/otlp/_otlpwire.c was built and is used
 _FACTS = tuple(_CONVERTERS)  # the C scanner's fact indexes -> names (its values dicts' keys)
 _FACT_INDEX = {fact: i for i, fact in enumerate(_FACTS)}
 
@@ -482,7 +482,7 @@ WireHit = tuple[int, int, int, bytes, "dict[str, Any] | None", "list[tuple[int, 
 
 class WireScanner:
     """`SpanReader.scanner`'s reading of every span of an ``ExportTraceServiceRequest`` at
-    once, from the protobuf bytes the request was parsed from (enricher/_otlpwire.c). The
+    once, from the protobuf bytes the request was parsed from (enricher/otlp/_otlpwire.c). The
     same table, ranks and value rules: values of the types a fact takes directly are
     converted in C; a span with any other value is handed back for the reference scanner
     (its values None). `scan` answers None for encodings it does not model (repeated
@@ -729,7 +729,7 @@ def _any_value(value: Any) -> bytes | None:
 def encode_attributes(values: dict[str, Any]) -> bytes:
     """``values`` as Span.attributes wire bytes (raises `NotEncodable` or an encoding error
     where `_set` would not build the same message). In C when every key is a str and every
-    value a str, int (in int64), bool or float (enricher/_otlpwire.c); otherwise here, where
+    value a str, int (in int64), bool or float (enricher/otlp/_otlpwire.c); otherwise here, where
     whole entries of str and int values are cached per key (a bounded dict each): labels,
     owners, reasons, small counts repeat."""
     if _encode_c is not None:

@@ -51,8 +51,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from kvmiss.enricher.otlp import (EncodedRequest, ExportResult, OtlpRequest, Outcome, TracesExporter, request_bytes,
-                                  request_message, span_count)
+from kvmiss.enricher.otlp.interfaces import (EncodedRequest, ExportResult, OtlpRequest, Outcome, TracesExporter,
+                                             request_bytes, request_message, span_count)
 from kvmiss.schemas.config import ExportConfig
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import msgspec
 
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
 from kvmiss.enricher.core.verdict import lookup_limit_tokens
-from kvmiss.enricher.spans import SpanFacts
+from kvmiss.enricher.otlp.spans import SpanFacts
 from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
 from kvmiss.schemas.prompt import ExtraKeysSpec
 

@@ -2,7 +2,7 @@
  * straight from its protobuf bytes, and the same bytes with the verdicts written in.
  *
  * The C twin of `SpanReader.scanner` and of `upsert_marked` / `strip_marked` on the parsed
- * message (enricher/spans.py, the reference: read it first, the rules are stated there
+ * message (enricher/otlp/spans.py, the reference: read it first, the rules are stated there
  * once). This file exists for issue #5's throughput target: the Python reader pays a upb
  * wrapper object and a getattr for every attribute key and value it looks at (~2.5k
  * instructions per attribute, ~400 per element of a 64-block hash chain), and writing into
@@ -1072,10 +1072,10 @@ static PyMethodDef Scanner_methods[] = {
 };
 
 static PyTypeObject ScannerType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvmiss.enricher._otlpwire.Scanner",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvmiss.enricher.otlp._otlpwire.Scanner",
     .tp_basicsize = sizeof(Scanner),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Reads kvmiss's span facts from OTLP protobuf bytes (see enricher/spans.py).",
+    .tp_doc = "Reads kvmiss's span facts from OTLP protobuf bytes (see enricher/otlp/spans.py).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Scanner_init,
     .tp_dealloc = (destructor)Scanner_dealloc,
@@ -1094,8 +1094,8 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvmiss.enricher._otlpwire",
-    .m_doc = "OTLP trace requests on the wire: span facts read, verdicts written (see enricher/spans.py).",
+    .m_name = "kvmiss.enricher.otlp._otlpwire",
+    .m_doc = "OTLP trace requests on the wire: span facts read, verdicts written (see enricher/otlp/spans.py).",
     .m_size = -1,
     .m_methods = module_methods,
 };

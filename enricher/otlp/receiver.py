@@ -32,7 +32,7 @@ soon as it is accepted (before a TLS handshake; counted), and any beyond
 UNAVAILABLE, which it retries). Every gRPC connection carries at most
 `GRPC_STREAMS_PER_CONNECTION` calls at a time (more wait in the client), and connections
 idle for `IDLE_CONNECTION_S` are closed on both, so dead clients give their slots back. HTTP
-bounds slow clients too (enricher/listener.py): headers within `IDLE_CONNECTION_S`, the body
+bounds slow clients too (enricher/otlp/listener.py): headers within `IDLE_CONNECTION_S`, the body
 within ``body_timeout_s``, an answer left unread for `listener.ANSWER_STALL_S`.
 
 Thread contract: `Receivers` lives on one event loop; construct it anywhere, call `start`,
@@ -67,7 +67,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from kvmiss.enricher.listener import (
+from kvmiss.enricher.otlp.interfaces import ConsumeResult, Outcome, TracesConsumer, count_spans, span_count
+from kvmiss.enricher.otlp.listener import (
     LIMIT_WARNING_INTERVAL_S,
     BodyRefused,
     ConnectionBounds,
@@ -76,7 +77,6 @@ from kvmiss.enricher.listener import (
     answer_and_close,
     read_body,
 )
-from kvmiss.enricher.otlp import ConsumeResult, Outcome, TracesConsumer, count_spans, span_count
 from kvmiss.schemas.config import OtlpConfig
 
 log = logging.getLogger(__name__)
@@ -336,7 +336,7 @@ class Receivers:
     receiver; port 0 picks a free port, see `grpc_port` / `http_port`). With
     ``config.tls_cert`` and ``config.tls_key`` both serve TLS only (HTTP: TLS >= 1.2).
     ``stats`` counts requests and spans by outcome and reason, and the HTTP listener's
-    connections (``http_``-prefixed, see enricher/listener.py; read it at scrape time);
+    connections (``http_``-prefixed, see enricher/otlp/listener.py; read it at scrape time);
     `gauges` adds the open HTTP connections and the size of the per-client table.
     ``clock`` (monotonic seconds) drives the rate limits; ``max_clients`` bounds the table.
     """

@@ -1,8 +1,8 @@
 """The OTLP side's small interfaces, in Collector vocabulary: receiver -> consumer -> exporter.
 
-A receiver (enricher/receiver.py) decodes ``ExportTraceServiceRequest`` bodies and hands
+A receiver (enricher/otlp/receiver.py) decodes ``ExportTraceServiceRequest`` bodies and hands
 them to a `TracesConsumer` (the enrichment pipeline); the pipeline hands finished requests
-to a `TracesExporter` (enricher/exporter.py). Outcomes are values: whether an error is
+to a `TracesExporter` (enricher/otlp/exporter.py). Outcomes are values: whether an error is
 retryable is decided once, here, and mapped to gRPC status / HTTP codes only in the
 receiver (UNAVAILABLE + RetryInfo / 503 + Retry-After for retryable; INVALID_ARGUMENT /
 400 for permanent).
@@ -56,7 +56,7 @@ class ExportResult(msgspec.Struct, frozen=True):
 
 class EncodedRequest(msgspec.Struct, frozen=True):
     """An ``ExportTraceServiceRequest`` as its protobuf bytes, with its span count: what the
-    pipeline hands on when it wrote the verdicts into the received bytes (enricher/_otlpwire.c)
+    pipeline hands on when it wrote the verdicts into the received bytes (enricher/otlp/_otlpwire.c)
     instead of into the parsed message. Immutable, so fan-out needs no copy."""
 
     body: bytes
@@ -91,10 +91,10 @@ def request_message(request: OtlpRequest) -> ExportTraceServiceRequest:
     return ExportTraceServiceRequest.FromString(request.body) if type(request) is EncodedRequest else request
 
 
-try:  # OTLP requests on the wire in C (enricher/_otlpwire.c; its users: here and enricher/spans.py)
+try:  # OTLP requests on the wire in C (enricher/otlp/_otlpwire.c; its users: here and enricher/otlp/spans.py)
     if os.environ.get("KVMISS_PURE_PYTHON_OTLP") == "1":  # to rule the compiled path in or out
         raise ImportError("KVMISS_PURE_PYTHON_OTLP=1")
-    from kvmiss.enricher import _otlpwire as WIRE
+    from kvmiss.enricher.otlp import _otlpwire as WIRE
 except ImportError:  # not built (no C compiler at install time): parsed messages only
     WIRE = None
 
