@@ -396,7 +396,7 @@ def pipeline_only(args) -> None:
     from kvmiss.enricher.core.attribution import Attributor
     from kvmiss.enricher.core.index import ResidencyIndex
     from kvmiss.enricher.core.privacy import DigestKey
-    from kvmiss.enricher.pipeline import Pipeline
+    from kvmiss.enricher.service.pipeline import Pipeline
     from kvmiss.schemas.stream import AppliedBatch, RunStart
 
     index = ResidencyIndex([f"w{w}" for w in range(args.workers)])

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from kvmiss.enricher import vllm_plugin as plugin
+from kvmiss.enricher.service import vllm_plugin as plugin
 
 REQUESTS = 2_000
 TOKENS = 512

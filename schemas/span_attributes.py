@@ -48,7 +48,7 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         default_factory=lambda: ["kvmiss.template_version"])
 
 
-# The span the kvmiss vLLM plugin (enricher/vllm_plugin.py) emits for each prefix-cache
+# The span the kvmiss vLLM plugin (enricher/service/vllm_plugin.py) emits for each prefix-cache
 # lookup. Its request id is the engine's (vLLM appends "-<8 chars>" to the API id).
 PREFIX_LOOKUP_SPAN = "kvmiss.prefix_lookup"
 

@@ -14,7 +14,7 @@ import sys
 
 from kvmiss.collectors.recording import ReadStats, RecordingError
 from kvmiss.enricher.core.privacy import DigestKeyError, load_digest_key
-from kvmiss.enricher.offline import attribute_requests, index_from_recording, read_requests, workers_in_recording
+from kvmiss.enricher.service.offline import attribute_requests, index_from_recording, read_requests, workers_in_recording
 from kvmiss.schemas.config import ConfigError, load_config
 
 

@@ -166,7 +166,7 @@ GC_THRESHOLDS = (50_000, 20, 100)
 
 
 async def _serve(config) -> None:
-    from kvmiss.enricher.service import Service
+    from kvmiss.enricher.service.serve import Service
 
     service = Service(config)
     stop = asyncio.Event()

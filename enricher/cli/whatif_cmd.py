@@ -19,7 +19,7 @@ from kvmiss.collectors.continuity import Apply
 from kvmiss.collectors.fleet import Fleet, play_recording
 from kvmiss.collectors.recording import ReadStats, RecordingError
 from kvmiss.enricher.estimates.whatif import DEFAULT_SCALES, PoolRequest, curve, output_chains
-from kvmiss.enricher.offline import BadRequestLine, read_requests, workers_in_recording
+from kvmiss.enricher.service.offline import BadRequestLine, read_requests, workers_in_recording
 from kvmiss.schemas.config import ConfigError, load_config
 from kvmiss.schemas.events import BlockStored
 

@@ -30,7 +30,7 @@ from kvmiss.collectors.continuity import (
 )
 from kvmiss.enricher.core.index import GPU, canonical_medium
 from kvmiss.enricher.core.speculative import LatencyReservoir, SpeculativeEntries
-from kvmiss.enricher.service import Service
+from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.attribution import AttributionRecord, RequestFacts, Verdict
 from kvmiss.schemas.config import Config, parse_config
 from kvmiss.schemas.events import BlockStored

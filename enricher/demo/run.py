@@ -38,7 +38,7 @@ from kvmiss.enricher.demo.timeline import StreamNarrator, report_context
 from kvmiss.enricher.demo.truth import Agreement, holder_as_seen, judge, truth_label
 from kvmiss.enricher.demo.workload import Workload
 from kvmiss.enricher.report import SpanFileTail, load_spans, write_report
-from kvmiss.enricher.service import Service
+from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 BLOCK_SIZE = 16

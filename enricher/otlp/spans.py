@@ -11,7 +11,7 @@ reference rules; `WireScanner`, `rewrite_request` and the C half of `encode_attr
 their compiled twin on the request's wire bytes (enricher/otlp/_otlpwire.c), which hands back to
 them whatever it does not take. The same reader
 also takes an SDK span's attribute mapping (`SpanReader.read_attributes`, for the in-process
-exporter, enricher/inprocess.py): both unwrap values to Python and share one set of rules.
+exporter, enricher/service/inprocess.py): both unwrap values to Python and share one set of rules.
 """
 
 from __future__ import annotations

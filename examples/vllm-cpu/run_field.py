@@ -229,7 +229,7 @@ class Router:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        from kvmiss.enricher.hashing import BlockHasher, external_hash
+        from kvmiss.enricher.core.hashing import BlockHasher, external_hash
 
         self.provider = TracerProvider(resource=Resource.create({"service.name": "router"}))
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_grpc, insecure=True)))
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     extra["engine_batches"] = len(recorder.batches)
     extra["engine_stream_gaps"] = recorder.gaps
     if "router" not in args.mode:  # the truth needs each request's chain
-        from kvmiss.enricher.hashing import BlockHasher, external_hash
+        from kvmiss.enricher.core.hashing import BlockHasher, external_hash
 
         hasher = BlockHasher(ALGO, seed=SEED, block_size=BLOCK)
         for r in requests:

@@ -15,7 +15,7 @@ from fleet_builders import PARENT, H, request, stored
 from prometheus_client.openmetrics.exposition import generate_latest
 
 from kvmiss.collectors.fleet import SUB
-from kvmiss.enricher.service import Service
+from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.attribution import ClockOffset, Label
 from kvmiss.schemas.config import ConfigError, HistoryConfig, parse_config
 from kvmiss.schemas.events import EventBatch

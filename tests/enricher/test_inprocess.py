@@ -25,8 +25,8 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.inprocess import EnrichingSpanExporter
 from kvmiss.enricher.otlp.spans import SpanReader
+from kvmiss.enricher.service.inprocess import EnrichingSpanExporter
 from kvmiss.schemas.span_attributes import InputNames
 
 NEVER = 0xBEEF_0000_0000_0002  # never stored on A

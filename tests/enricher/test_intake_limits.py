@@ -33,11 +33,11 @@ from raw_clients import read_until_closed, trickle, until
 from test_receiver import EXPORT, RecordingConsumer, sdk_spans, serving
 from test_tls import pki  # noqa: F401  (a fixture: the TLS tests' certificates)
 
-from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.otlp import receiver as receiver_module
 from kvmiss.enricher.otlp.interfaces import Outcome
 from kvmiss.enricher.otlp.receiver import ClientRates, Receivers, client_key, grpc_peer_host
-from kvmiss.enricher.pipeline import PipelineStats
+from kvmiss.enricher.service.metrics import KvmissCollector
+from kvmiss.enricher.service.pipeline import PipelineStats
 from kvmiss.schemas.config import OtlpConfig
 
 PROTOBUF = "application/x-protobuf"
@@ -487,7 +487,7 @@ class TestConnectionCap:
 
 
 def test_service_metrics_count_client_refusals_without_naming_the_client():
-    from kvmiss.enricher.service import Service
+    from kvmiss.enricher.service.serve import Service
     from kvmiss.schemas.config import parse_config
 
     config = parse_config("""
@@ -523,7 +523,7 @@ listen = ":0"
 
 
 def test_the_config_keys_reach_the_receivers():
-    from kvmiss.enricher.service import Service
+    from kvmiss.enricher.service.serve import Service
     from kvmiss.schemas.config import parse_config
 
     config = parse_config("[otlp]\ngrpc = ''\nhttp = ''\nmax_connections = 7\nmax_spans_per_s_per_client = 5\n"

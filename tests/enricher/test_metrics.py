@@ -12,8 +12,8 @@ from test_pipeline import Clock, Sink, evicted_history, export_request, router_s
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.metrics import KvmissCollector
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.service.metrics import KvmissCollector
+from kvmiss.enricher.service.pipeline import Pipeline
 from fleet_builders import H
 
 

@@ -15,7 +15,7 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.otlp.interfaces import Outcome
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.schemas import span_attributes as names
 
 TRACE = bytes(range(16))
@@ -276,7 +276,7 @@ def test_span_supplied_workers_and_policies_are_bounded_metric_keys():
 
 
 def test_history_waits_are_kept_as_a_fixed_size_histogram_whether_or_not_anyone_scrapes():
-    from kvmiss.enricher.pipeline import WAIT_BUCKETS, WaitHistogram
+    from kvmiss.enricher.service.pipeline import WAIT_BUCKETS, WaitHistogram
 
     h = WaitHistogram()
     for i in range(10_000):

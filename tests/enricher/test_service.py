@@ -21,10 +21,10 @@ from raw_clients import read_until_closed, until
 from sglang_publisher import batch
 
 
-from kvmiss.enricher import service as service_module
 from kvmiss.enricher.otlp.listener import ConnectionBounds
 from kvmiss.enricher.otlp.receiver import parse_otlp_json
-from kvmiss.enricher.service import Service
+from kvmiss.enricher.service import serve as service_module
+from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.config import parse_config
 
 P, H, Q, R = 1001, 1002, 1003, 1004  # block hashes: parent, evicted, never stored, on w1

@@ -1,4 +1,4 @@
-"""The fast span paths (enricher/otlp/spans.py, assembly.py, pipeline.py) against the plain rules
+"""The fast span paths (enricher/otlp/spans.py, assembly.py, enricher/service/pipeline.py) against the plain rules
 they replace, kept here as references: reading every attribute of every element one by one,
 copying every field of every fragment, upserting through `add()`.
 
@@ -25,7 +25,7 @@ from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.verdict import lookup_limit_tokens
 from kvmiss.enricher.otlp import spans as S
 from kvmiss.enricher.otlp.assembly import ENGINE_FACTS, Assembly, Fragment, to_request_facts
-from kvmiss.enricher.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
+from kvmiss.enricher.service.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import (Divergence, DivergenceKind, History, Label, Owner, TransferAttempt,
                                        TransferResult, Verdict, WindowStart)

@@ -26,10 +26,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from test_span_fast_paths import CUSTOM, READERS, SETTINGS, spans
 from wire_scan_check import check_against_reference
-from kvmiss.enricher.otlp import interfaces, spans as S
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.otlp import interfaces, spans as S
+from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.events import BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart

@@ -215,7 +215,7 @@ def test_a_worker_silent_for_longer_than_the_wait_before_the_lookup_is_not_waite
 
 
 def test_the_service_applies_tail_confirmations_in_order_with_the_batches(tmp_path):
-    from kvmiss.enricher.service import Service
+    from kvmiss.enricher.service.serve import Service
     from kvmiss.schemas.config import parse_config
 
     config = parse_config(
@@ -235,7 +235,7 @@ def test_the_service_applies_tail_confirmations_in_order_with_the_batches(tmp_pa
 
 
 def test_probing_is_configured_under_history_and_zero_turns_it_off():
-    from kvmiss.enricher.service import Service
+    from kvmiss.enricher.service.serve import Service
     from kvmiss.schemas.config import ConfigError, HistoryConfig, parse_config
 
     assert (HistoryConfig().tail_probe_interval_s, HistoryConfig().clock_skew_s,
@@ -253,8 +253,8 @@ def test_tail_probe_counters_are_exported_per_worker():
     from test_pipeline import Sink
 
     from kvmiss.collectors.stream import WorkerStream
-    from kvmiss.enricher.metrics import KvmissCollector
-    from kvmiss.enricher.pipeline import Pipeline
+    from kvmiss.enricher.service.metrics import KvmissCollector
+    from kvmiss.enricher.service.pipeline import Pipeline
 
     stream = WorkerStream("A", replay=True)
     stream.health.tail_probes, stream.health.tail_confirmations = 5, 3

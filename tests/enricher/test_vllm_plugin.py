@@ -1,4 +1,4 @@
-"""The kvmiss vLLM plugin (enricher/vllm_plugin.py) and `kvmiss serve` reading its spans.
+"""The kvmiss vLLM plugin (enricher/service/vllm_plugin.py) and `kvmiss serve` reading its spans.
 
 Pure parts everywhere: span attributes from a lookup record, the bounded queue, the recorder
 (pending table, admission, disable-on-error), the export thread with the real OTel SDK. With
@@ -24,12 +24,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvmiss.enricher import vllm_plugin as plugin
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import external_hash
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.otlp.spans import SpanReader
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.service import vllm_plugin as plugin
+from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.schemas.span_attributes import PREFIX_LOOKUP_SPAN, InputNames
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"

@@ -18,8 +18,8 @@ from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.metrics import KvmissCollector
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.service.metrics import KvmissCollector
+from kvmiss.enricher.service.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from example_checks import EXAMPLES, LOOPBACK, host_port
 
-from kvmiss.enricher.metrics import NOT_MISSES
+from kvmiss.enricher.service.metrics import NOT_MISSES
 from kvmiss.schemas.attribution import Label
 from kvmiss.schemas.config import Config, ConfigError, load_config, parse_config
 

@@ -27,7 +27,7 @@ from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.otlp.receiver import JSON, Receivers, _Rejected, parse_otlp_json
 from kvmiss.enricher.otlp.spans import SpanReader
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.schemas.config import ConfigError, OtlpConfig, parse_config
 from kvmiss.schemas.events import WireError, decode_batch, event_to_builtins
 

@@ -23,7 +23,7 @@ import pytest
 from fuzz.fuzz_support import all_logs_at_debug
 
 from kvmiss.enricher.otlp.receiver import parse_listen
-from kvmiss.enricher.service import Service
+from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas import config as config_module
 from kvmiss.schemas.config import Config, load_config, parse_config
 
@@ -182,8 +182,8 @@ def test_the_digest_secret_never_shows_while_a_service_starts_serves_and_stops()
 
 
 def test_hostile_worker_ids_in_spans_cannot_grow_the_metrics_without_bound():
-    from kvmiss.enricher.metrics import KvmissCollector
-    from kvmiss.enricher.pipeline import PipelineStats
+    from kvmiss.enricher.service.metrics import KvmissCollector
+    from kvmiss.enricher.service.pipeline import PipelineStats
     from kvmiss.schemas.attribution import Label
     from prometheus_client import CollectorRegistry
     from prometheus_client.exposition import generate_latest

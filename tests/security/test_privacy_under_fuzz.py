@@ -35,9 +35,9 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher, external_hash, extras_from_spec
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.otlp.spans import SpanReader
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.service.metrics import KvmissCollector
+from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.schemas.events import BlockStored
 from kvmiss.schemas.prompt import ExtraKeysSpec, LoraSpec
 from kvmiss.schemas.span_attributes import InputNames

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
 from kvmiss.collectors.stream import WorkerStream
-from kvmiss.enricher.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
+from kvmiss.enricher.service.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
 from kvmiss.schemas.attribution import LABEL_OWNER, ClockOffset, Label
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)

@@ -30,15 +30,15 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey, load_digest_key
-from kvmiss.enricher.handoff import IndexFeed
-from kvmiss.enricher.metrics import KvmissCollector
 from kvmiss.enricher.otlp.exporter import ExportQueue, build_exporters
 from kvmiss.enricher.otlp.interfaces import ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.enricher.otlp.journal import SpanJournal
 from kvmiss.enricher.otlp.listener import BodyRefused, ConnectionBounds, HttpListener, LimitLog, answer_and_close, read_body
 from kvmiss.enricher.otlp.receiver import Receivers, parse_listen
 from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
-from kvmiss.enricher.pipeline import Pipeline
+from kvmiss.enricher.service.handoff import IndexFeed
+from kvmiss.enricher.service.metrics import KvmissCollector
+from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
 from kvmiss.schemas.config import Config
 

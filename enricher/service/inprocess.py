@@ -10,7 +10,7 @@ spans with the kvmiss outputs merged and raw inputs (``kvmiss.token_ids``,
 change are forwarded as they are.
 
 Wiring, in the router process (index and fleet options as `kvmiss serve` sets them from
-its config, enricher/service.py)::
+its config, enricher/service/serve.py)::
 
     index = ResidencyIndex([w.id for w in config.workers])
     enricher = EnrichingSpanExporter(OTLPSpanExporter(...), index, digest_key=key)
@@ -63,10 +63,10 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.handoff import IndexFeed
 from kvmiss.enricher.otlp.assembly import (Assembly, Fragment, MissingFacts, incomplete_verdict, join_target,
                                           to_request_facts)
 from kvmiss.enricher.otlp.spans import OUTPUT_NAMES, SpanReader, verdict_attributes
+from kvmiss.enricher.service.handoff import IndexFeed
 from kvmiss.schemas.attribution import RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.inprocess")
