@@ -26,7 +26,8 @@ done
 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVMISS_REQUIRE_ACCELERATED=1 \
-    .venv/bin/python -m pytest -q -p no:cacheprovider tests/enricher/test_residency_table.py tests/fuzz \
-    tests/security tests/reliability/test_retention_pruning.py tests/enricher/test_fleet_holders.py \
-    tests/enricher/test_evidence.py tests/enricher/test_worked_cases.py tests/enricher/test_offline.py \
-    tests/enricher/test_span_scan.py tests/enricher/test_pipeline.py tests/enricher/test_receiver.py
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/enricher/core/test_residency_table.py tests/fuzz \
+    tests/security tests/reliability/test_retention_pruning.py tests/enricher/core/test_fleet_holders.py \
+    tests/enricher/core/test_evidence.py tests/enricher/core/test_worked_cases.py \
+    tests/enricher/service/test_offline.py tests/enricher/otlp/test_span_scan.py \
+    tests/enricher/service/test_pipeline.py tests/enricher/otlp/test_receiver.py

@@ -1,4 +1,4 @@
-"""The wire scanner's contract, checked on one body (tests/enricher/test_span_scan.py and the
+"""The wire scanner's contract, checked on one body (tests/enricher/otlp/test_span_scan.py and the
 OTLP fuzzers use it): for bytes upb accepts, `WireScanner.scan` and `count_spans` either
 abstain (None) or answer exactly what the reference scanner reads from the parsed message."""
 

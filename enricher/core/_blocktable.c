@@ -1,7 +1,7 @@
 /* BlockTable: the residency records of one medium (and KV-cache group) of one worker epoch.
  *
  * The C twin of enricher/core/residency_table.py (PyBlockTable, the reference model: read that
- * first, it states the rules in a dozen lines; tests/enricher/test_residency_table.py checks
+ * first, it states the rules in a dozen lines; tests/enricher/core/test_residency_table.py checks
  * the two agree on random event streams). This file exists for two numbers in issue #4:
  * >= 1 M block events/s through the index and <= 64 bytes per resident block. A Python dict
  * pays a slot plus a 36-byte int object per key; here a block costs 28 bytes of parallel

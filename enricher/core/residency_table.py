@@ -13,7 +13,7 @@ Two implementations with one interface:
     throughput targets). Used whenever it imported.
   * `PyBlockTable` below: the reference model, plain and slow. It states the rules; the
     tests run both on the same random event streams and require identical answers
-    (tests/enricher/test_residency_table.py). It is the fallback where no compiler was
+    (tests/enricher/core/test_residency_table.py). It is the fallback where no compiler was
     available at install time, or when KVMISS_PURE_PYTHON_TABLE=1 (`ACCELERATED` is False
     then, and serve warns at start-up).
 """

@@ -5,7 +5,7 @@ version, so every optional field has a default and is dropped when None. vLLM 0.
 ``parent_block_hash``, ``lora_id``, ``medium`` and ``lora_name`` without defaults, so its
 publisher always writes them, as nil when None. The Structs below declare the fields the way
 vLLM does, so a batch we publish is byte-identical to the one vLLM would publish
-(tests/enricher/test_demo.py checks it against the captured frames).
+(tests/enricher/demo/test_demo.py checks it against the captured frames).
 
 Transport (shared/reference/WIRE.md): a PUB socket sends ``[topic, seq(8 bytes BE), payload]``
 with ``seq`` counting from 0 in every publisher instance; a ROUTER answers ``[b"", start]`` with

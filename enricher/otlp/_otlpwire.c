@@ -9,7 +9,7 @@
  * the message then serializing it again costs as much as parsing it; here a key costs a
  * hash and a memcmp, only the spans that carry an attribute of interest produce a Python
  * object at all, and only the messages around an edited span are re-encoded.
- * tests/enricher/test_span_scan.py checks both against the reference on random requests,
+ * tests/enricher/otlp/test_span_scan.py checks both against the reference on random requests,
  * including encodings only a hostile sender would write.
  *
  * The receiver has already parsed the same bytes with upb (which validated UTF-8, nesting

@@ -9,7 +9,7 @@ A request that arrives with the protobuf bytes it was parsed from (OTLP/HTTP and
 protobuf) is read by the compiled wire scanner and written as edits to those bytes
 (`WireScanner`, `rewrite_request`, enricher/otlp/_otlpwire.c); anything the bytes path does not
 take is read and written through the parsed message by the reference rules, with the same
-result (tests/enricher/test_span_scan.py).
+result (tests/enricher/otlp/test_span_scan.py).
 
 Every received span is exported exactly once, enriched or not: an export request is held
 until every request whose outcome span it carries has been judged (or given up on, with

@@ -3,7 +3,7 @@
 #
 # Phoenix is a real OTLP trace store with a query API (shared/reference/OTLP.md). It pulls in
 # ~880 MB of dependencies that must not mix with kvmiss's own, hence its own venv. Used by
-# tests/enricher/test_phoenix.py (opt-in: KVMISS_E2E_PHOENIX=1). Idempotent: a venv whose
+# tests/enricher/service/test_phoenix.py (opt-in: KVMISS_E2E_PHOENIX=1). Idempotent: a venv whose
 # `phoenix` command exists is left as it is.
 #
 #   bash tests/peers/phoenix_venv.sh            # prints the phoenix command's path

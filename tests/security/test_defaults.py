@@ -3,8 +3,8 @@ too; the size limits in the config are wired to what enforces them; the digest s
 shows in a repr, a str, an HTTP answer or a log record of a running service.
 
 Enforcement of the body limits themselves (413 over HTTP, RESOURCE_EXHAUSTED over gRPC, the
-gunzip cap) and of ``max_pending_spans`` (RETRYABLE) is tested in tests/enricher/test_receiver.py
-and tests/enricher/test_pipeline.py; not repeated here.
+gunzip cap) and of ``max_pending_spans`` (RETRYABLE) is tested in tests/enricher/otlp/test_receiver.py
+and tests/enricher/service/test_pipeline.py; not repeated here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Pure parts everywhere: span attributes from a lookup record, the bounded queue, the recorder
 (pending table, admission, disable-on-error), the export thread with the real OTel SDK. With
 vLLM importable (run this file with vLLM's venv: ``/work/vllm-venv/bin/python -m pytest
-tests/enricher/test_vllm_plugin.py``), the recorder also runs against vLLM's real
+tests/enricher/service/test_vllm_plugin.py``), the recorder also runs against vLLM's real
 ``KVCacheManager`` and ``Request``. The last part feeds plugin spans, produced by the SDK and
 encoded as OTLP, through the real pipeline together with vLLM-shaped ``llm_request`` spans.
 """

@@ -124,8 +124,8 @@ def test_the_index_gives_the_same_verdicts_on_the_reference_model():
     env = dict(os.environ, KVMISS_PURE_PYTHON_TABLE="1")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/enricher/test_worked_cases.py", "tests/enricher/test_evidence.py"],
-        env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+         "tests/enricher/core/test_worked_cases.py", "tests/enricher/core/test_evidence.py"],
+        env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[3], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
     assert " passed" in done.stdout
 

@@ -5,7 +5,7 @@
                                             GET /v1/projects/<p>/spans?attribute=kvmiss.label:evicted
 
 Opt-in (about 1 GB on disk and a minute): ``KVMISS_E2E_PHOENIX=1 .venv/bin/python -m pytest
--m phoenix tests/enricher/test_phoenix.py``. Phoenix lives in its own venv,
+-m phoenix tests/enricher/service/test_phoenix.py``. Phoenix lives in its own venv,
 ``.phoenix-venv``, created on first use by tests/peers/phoenix_venv.sh. The test skips, with
 the reason, only when Phoenix cannot be installed or does not start here.
 """
@@ -37,7 +37,7 @@ pytestmark = [
                        reason="Phoenix end-to-end is opt-in: KVMISS_E2E_PHOENIX=1 (installs ~880 MB once)"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INSTALL_SCRIPT = ROOT / "tests" / "peers" / "phoenix_venv.sh"
 PROJECT = "kvmiss-e2e"  # Phoenix files spans under the resource's openinference.project.name
 P, H, Q, R = 1001, 1002, 1003, 1004  # block hashes: parent, evicted, never stored, on w1 only
