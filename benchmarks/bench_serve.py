@@ -424,7 +424,8 @@ def pipeline_only(args) -> None:
     best = float("inf")
     for _ in range(args.repeat):
         pipeline = Pipeline(Attributor(index, DigestKey("bench-serve-digest-key-0001")), Discard(),
-                            clock=time.monotonic, judge_on_arrival=True)
+                            clock=time.monotonic, judge_on_arrival=True,
+                            pool_blocks={f"w{w}": args.pool_blocks for w in range(args.workers)})
         requests = [ExportTraceServiceRequest.FromString(b) for b in bodies]
         gc.collect()
         t0 = time.process_time()
@@ -432,8 +433,10 @@ def pipeline_only(args) -> None:
         best = min(best, time.process_time() - t0)
         assert pipeline.pending_spans == 0, "every request should have been judged on arrival"
     spans = args.batches * SPANS_PER_BATCH
+    estimated = sum(pipeline.stats.whatif_evicted_tokens.values())
+    whatif = f", what-if at pool_blocks {args.pool_blocks}: {estimated:,} evicted tokens estimated" if args.pool_blocks else ""
     print(f"Pipeline.consume alone (judge_on_arrival, {args.workers} workers' population, {args.batches} batches, "
-          f"best of {args.repeat}): {best / spans * 1e6:.1f} us CPU/span, {best / args.batches * 1e3:.1f} ms/batch")
+          f"best of {args.repeat}{whatif}): {best / spans * 1e6:.1f} us CPU/span, {best / args.batches * 1e3:.1f} ms/batch")
 
 
 # --- orchestration ---------------------------------------------------------------------------
@@ -487,6 +490,8 @@ def metric_sum(text: str, name: str, label_filter: str = "") -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--pool-blocks", type=int, default=0,
+                        help="each worker's [[workers]] pool_blocks: what-if estimates on evicted misses (0: off)")
     parser.add_argument("--processes", type=int, default=1,
                         help="kvmiss serve --processes N (each follows every worker; batches spread over them)")
     parser.add_argument("--batches", type=int, default=400, help="batches in the saturated phase")
@@ -526,7 +531,8 @@ def main(argv: list[str] | None = None) -> None:
         children.append(pubs)
         receive(pub_conn, pubs)  # bound
 
-        workers = "".join(f'[[workers]]\nid = "w{w}"\nendpoint = "{ep}"\n' for w, ep in enumerate(endpoints))
+        pool = f"pool_blocks = {args.pool_blocks}\n" if args.pool_blocks else ""
+        workers = "".join(f'[[workers]]\nid = "w{w}"\nendpoint = "{ep}"\n{pool}' for w, ep in enumerate(endpoints))
         config = work / "kvmiss.toml"
         config.write_text(f'[otlp]\ngrpc = ""\nhttp = "127.0.0.1:{http_port}"\n[export]\n'
                           f'endpoint = "http://127.0.0.1:{sink_port}"\n[engine]\nblock_size = {BLOCK}\n'

@@ -758,6 +758,7 @@ typedef struct {
     PyObject *removed_type; /* BlockRemoved */
     PyObject *note;         /* callable(event, seq) for GPU group-0 stores, or None */
     PyObject *recent;       /* the table the last call used (for prefetching), or NULL */
+    unsigned long long gpu_removed; /* hashes removed from GPU group-0 tables so far (evictions) */
 } Applier;
 
 static PyObject *str_block_hashes, *str_medium, *str_group_idx;
@@ -962,6 +963,13 @@ static PyObject *Applier_call(Applier *a, PyObject *args, PyObject *kwds) {
             Py_XDECREF(same_step);
         } else {
             failed = table_remove(t, hashes, seq, ts) < 0;
+            if (!failed && gpu_group0) {
+                Py_ssize_t m = PyList_CheckExact(hashes) ? PyList_GET_SIZE(hashes) : PyObject_Length(hashes);
+                if (m > 0)
+                    a->gpu_removed += (unsigned long long)m;
+                else
+                    PyErr_Clear();
+            }
         }
         Py_DECREF(hashes);
         if (failed)
@@ -978,6 +986,12 @@ fail:
     return NULL;
 }
 
+static PyMemberDef Applier_members[] = {
+    {"gpu_removed", T_ULONGLONG, offsetof(Applier, gpu_removed), READONLY,
+     "hashes removed from GPU group-0 tables so far: the evictions what-if sizing counts"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject ApplierType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvmiss.enricher.core._blocktable.Applier",
@@ -988,6 +1002,7 @@ static PyTypeObject ApplierType = {
     .tp_new = Applier_new,
     .tp_dealloc = (destructor)Applier_dealloc,
     .tp_call = (ternaryfunc)Applier_call,
+    .tp_members = Applier_members,
 };
 
 /* --- the batch log's bisect -------------------------------------------------------------

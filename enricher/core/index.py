@@ -167,6 +167,10 @@ class EpochView:
         self.epoch_certain = True
         self.log_seq = array("q")
         self.log_ts = array("d")
+        # GPU (group 0) hashes removed through each logged batch, cumulative: the evictions
+        # between two batches, for what-if sizing (enricher/estimates/whatif.py).
+        self.log_removed = array("Q")
+        self._removed_in_python = 0  # the part of it applied by `_apply_event`
         self.log_base = 0  # entries dropped from the front of the log by retention
         self.runs: list[Run] = []
         self.clears: list[tuple[int, float]] = []
@@ -219,6 +223,7 @@ class EpochView:
         if applier is None:
             for event in events:
                 self._apply_event(event, seq, ts)
+            self.log_removed.append(self._removed_in_python)
             return
         # The compiled loop stops at what it leaves to Python (a clear, a first event of a
         # new medium or group); handle that one here and resume after it.
@@ -226,6 +231,7 @@ class EpochView:
         while i < n:
             self._apply_event(events[i], seq, ts)
             i = applier(events, seq, ts, i + 1)
+        self.log_removed.append(applier.gpu_removed + self._removed_in_python)
 
     def _apply_event(self, event, seq: int, ts: float) -> None:
         cls = event.__class__
@@ -245,6 +251,8 @@ class EpochView:
                     self.same_step_copies[key] = seq
         elif cls is BlockRemoved:
             table.remove(event.block_hashes, seq, ts)
+            if gpu_group0:
+                self._removed_in_python += len(event.block_hashes)
 
     def holds_seq(self, seq: int) -> bool:
         """Whether batch ``seq`` fits this view's residency tables (see `SEQ_SPAN`)."""
@@ -288,6 +296,7 @@ class EpochView:
         if cut:
             del self.log_seq[:cut]
             del self.log_ts[:cut]
+            del self.log_removed[:cut]
             self.log_base += cut
         if dropped or cut:
             self.horizon_ts = before_ts if self.horizon_ts is None else max(self.horizon_ts, before_ts)
@@ -331,6 +340,15 @@ class EpochView:
         tail confirmation of the last applied batch sent at least ``margin`` after ``t``."""
         through = self.reached_through(margin)
         return through is not None and through >= t
+
+    def removals_between(self, after_seq: int, through_seq: int) -> int | None:
+        """GPU hashes removed by the batches after ``after_seq`` through ``through_seq`` (both
+        applied in this view); None when either batch has left the log."""
+        i = bisect_left(self.log_seq, after_seq)
+        j = bisect_left(self.log_seq, through_seq + 1) - 1
+        if i >= len(self.log_seq) or self.log_seq[i] != after_seq or j < i:
+            return None
+        return self.log_removed[j] - self.log_removed[i]
 
     def lookup_step(self, t: float, margin: float) -> int | None:
         """The seq of the engine step containing a lookup at ``t``: the first applied batch

@@ -225,3 +225,46 @@ def output_chains(stores: Iterable[tuple[float, int | None, Sequence[int]]],
             tip = step[-1]
         out.append(found[:wanted])
     return out
+
+
+# --- per request, live: how much larger a pool would have kept an evicted block ------------------
+
+LADDER = (1.25, 1.5, 2.0, 4.0, 8.0)  # pool sizes, as multiples of the worker's, on spans and metrics
+BEYOND = ">8"
+
+
+def ladder_label(scale: float) -> str:
+    return f"{scale:g}"
+
+
+class EvictionEstimate(msgspec.Struct, frozen=True):
+    """For an ``evicted`` miss: the blocks the worker's pool gave up from the first missed
+    block's removal through the lookup (itself included), and the smallest ladder size that
+    many extra blocks would have been -- at which it would still have been cached."""
+
+    reuse_distance_blocks: int
+    scale: str  # a `LADDER` label, or `BEYOND`
+
+
+def eviction_estimate(view, removed_seq: int | None, lookup_time: float | None, margin: float,
+                      pool_blocks: int) -> EvictionEstimate | None:
+    """Under vLLM's pool policy a freed block is evicted when it is the least recently freed
+    one and a block is needed; with ``extra`` more blocks, every eviction after it would have
+    taken one of those instead, so it survives the lookup when ``extra`` covers the evictions
+    from its own through the lookup step. None when that cannot be counted: the pool size is
+    not known, the removal was a cache reset (a bigger pool keeps nothing across a reset), or
+    the batches have left the log. ``view``: the chosen worker's `EpochView` at the lookup."""
+    if pool_blocks < 2 or removed_seq is None or lookup_time is None:
+        return None
+    if any(seq == removed_seq for seq, _ in view.clears):
+        return None
+    step = view.lookup_step(lookup_time, margin)
+    between = None if step is None else view.removals_between(removed_seq, step)
+    if between is None:
+        return None
+    distance = between + 1
+    usable = pool_blocks - 1
+    for scale in LADDER:
+        if (scale - 1.0) * usable >= distance:
+            return EvictionEstimate(distance, ladder_label(scale))
+    return EvictionEstimate(distance, BEYOND)

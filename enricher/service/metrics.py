@@ -212,7 +212,19 @@ class KvmissCollector(Collector):
             "kvmiss_workers_unsubscribed", "Workers spans named recently that no [[workers]] entry subscribes to: "
             "while above 0, misses below routing_miss are unknown_history (they cannot be ruled out as holders).")
         unsubscribed.add_metric([], len(s.unsubscribed))
-        yield from (received, exported, refused, lost, unenriched, bad, waits, resent, foreign, unsubscribed)
+        evicted = CounterMetricFamily(
+            "kvmiss_whatif_evicted_tokens", "Missed tokens of evicted misses that got a what-if estimate "
+            "(the worker's [[workers]] pool_blocks is known), by worker. An estimate, never a label.", labels=["worker"])
+        for worker, n in sorted(s.whatif_evicted_tokens.items()):
+            evicted.add_metric([worker], n)
+        kept = CounterMetricFamily(
+            "kvmiss_whatif_kept_tokens", "Of those, the missed tokens a pool of `scale` times the worker's would have "
+            "kept cached (the first missed block survives), by worker and scale: what a larger cache would buy.",
+            labels=["worker", "scale"])
+        for (worker, scale), n in sorted(s.whatif_kept_tokens.items()):
+            kept.add_metric([worker, scale], n)
+        yield from (received, exported, refused, lost, unenriched, bad, waits, resent, foreign, unsubscribed,
+                    evicted, kept)
         yield from self._connections(intake)
 
     def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:

@@ -41,6 +41,8 @@ from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequ
 from kvmiss.enricher.otlp.spans import (OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
                                        delete_attributes, encode_attributes, rewrite_request, strip_marked, upsert_attributes,
                                        upsert_marked, verdict_attributes)
+from kvmiss.enricher.estimates.whatif import BEYOND, LADDER, eviction_estimate, ladder_label
+from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 
 log = logging.getLogger("kvmiss.pipeline")
@@ -116,6 +118,10 @@ class PipelineStats:
         self.verdicts: collections.Counter[tuple[Label, str, str]] = collections.Counter()
         self.missed_tokens: collections.Counter[tuple[Label, str, str]] = collections.Counter()
         self.history_wait = WaitHistogram()  # seconds requests waited for their history
+        # What-if estimates (never labels), by worker: missed tokens of `evicted` misses with
+        # an estimate, and of those, the ones each ladder pool size would have kept cached.
+        self.whatif_evicted_tokens: collections.Counter[str] = collections.Counter()
+        self.whatif_kept_tokens: collections.Counter[tuple[str, str]] = collections.Counter()
 
 
 class Pipeline:
@@ -137,6 +143,7 @@ class Pipeline:
         clock: Callable[[], float],
         judge_on_arrival: bool = False,
         unsubscribed_keep_s: float = 600.0,
+        pool_blocks: dict[str, int] | None = None,
     ):
         self.attributor = attributor
         self.sink = sink
@@ -167,6 +174,9 @@ class Pipeline:
         # (`Attributor.unsubscribed`), until no span has named them for unsubscribed_keep_s.
         self.unsubscribed: dict[str, float] = self.stats.unsubscribed
         self.unsubscribed_keep_s = unsubscribed_keep_s
+        # worker -> its engine's KV pool in blocks ([[workers]] pool_blocks): what-if estimates
+        # on `evicted` misses where it is known.
+        self.pool_blocks = {w: n for w, n in (pool_blocks or {}).items() if n > 1}
         attributor.unsubscribed = self.unsubscribed
 
     # --- intake ------------------------------------------------------------------------------
@@ -416,7 +426,10 @@ class Pipeline:
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
         verdict = self.attributor.attribute(facts)
-        self._settle(assembly, verdict_attributes(verdict, facts.lookup_time))
+        values = verdict_attributes(verdict, facts.lookup_time)
+        if verdict.label is Label.EVICTED and self.pool_blocks:
+            self._estimate(facts, verdict, values)
+        self._settle(assembly, values)
         key = self.metric_key(facts, verdict)
         self.stats.verdicts[key] += 1
         self.stats.missed_tokens[key] += verdict.missed_tokens
@@ -424,6 +437,29 @@ class Pipeline:
         if self.on_verdict is not None:
             self.on_verdict(facts, verdict, assembly.trace_id)
         self._finish(assembly)
+
+    def _estimate(self, facts: RequestFacts, verdict: Verdict, values: dict[str, Any]) -> None:
+        """What-if for an `evicted` miss (enricher/estimates/whatif.py): on the span beside the
+        verdict, and into the per-worker counters. Never changes the verdict."""
+        worker = facts.worker
+        pool = self.pool_blocks.get(worker or "")
+        if pool is None:
+            return
+        index = self.attributor.index
+        view = next((v for v in index.views(worker) if v.epoch == verdict.epoch), None)
+        estimate = None if view is None else eviction_estimate(
+            view, verdict.removed_seq, facts.lookup_time, index.tail_margin_s, pool)
+        if estimate is None:
+            return
+        values[names.WHATIF_SCALE] = estimate.scale
+        values[names.WHATIF_REUSE_DISTANCE] = estimate.reuse_distance_blocks
+        stats = self.stats
+        stats.whatif_evicted_tokens[worker] += verdict.missed_tokens
+        if estimate.scale != BEYOND:
+            needed = float(estimate.scale)
+            for scale in LADDER:
+                if scale >= needed:
+                    stats.whatif_kept_tokens[(worker, ladder_label(scale))] += verdict.missed_tokens
 
     def metric_key(self, facts: RequestFacts, verdict: Verdict) -> tuple[Label, str, str]:
         """(label, routing policy, worker) for counters. Both names come from spans, so both

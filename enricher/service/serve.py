@@ -126,7 +126,8 @@ class Service:
             assemble_wait_s=config.history.assemble_wait_s, history_wait_s=config.history.wait_s,
             max_pending_spans=config.otlp.max_pending_spans,
             keep_block_hashes=config.export.keep_block_hashes,
-            on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True)
+            on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True,
+            pool_blocks={w.id: w.pool_blocks for w in config.workers})
         if self.journal is not None:
             self.pipeline.stats.lost_on_restart = self.journal.lost_on_restart
         if not WIRE_SCAN:

@@ -66,3 +66,20 @@ def request(worker: str | None, lookup_time: float | None, *, cached_blocks: int
         block_size=block_size, worker=worker, lookup_time=lookup_time, block_hashes=chain,
         **extra,
     )
+
+
+def evicting_worker(others_removed: int, *, clear_at: int | None = None):
+    """A worker that stored H at batch 5 and removed it at batch 12, then removed
+    ``others_removed`` more blocks before a lookup at engine time 1020.5 (batch 20 is the
+    first after it)."""
+    from kvmiss.enricher.core.index import ResidencyIndex
+
+    index, feed = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    events = {5: [stored(H, *range(100, 100 + others_removed))], 12: [removed(H)]}
+    for k in range(others_removed):
+        events.setdefault(13 + k % 6, []).append(removed(100 + k))
+    if clear_at is not None:
+        events[clear_at] = [AllBlocksCleared()]
+    for batch in feed.batches(range(0, 30), events):
+        index.apply(batch)
+    return index, index.views("A")[0]

@@ -68,6 +68,8 @@ def scrape_kvmiss_metrics() -> str:
     assert sum(pipe.stats.verdicts.values()) == 1, "the small pipeline judged nothing"
     pipe.stats.unenriched["facts_incomplete"] += 1
     pipe.stats.bad_attributes["kvmiss.block_hashes"] += 1
+    pipe.stats.whatif_evicted_tokens["w0"] += 16  # what-if counters: set as an evicted miss sets them
+    pipe.stats.whatif_kept_tokens[("w0", "2")] += 16
 
     stream = WorkerStream("w0", replay=True)
     health = stream.health

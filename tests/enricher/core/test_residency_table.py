@@ -160,6 +160,7 @@ def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches)
             view.apply(AppliedBatch(worker="w", epoch=0, seq=seq, ts=float(seq), recv_ts=float(seq),
                                     events=list(events), run_start_seq=5, run_start=RunStart.EPOCH_START))
     assert fast.same_step_copies == slow.same_step_copies
+    assert fast.log_removed == slow.log_removed  # evictions counted alike (what-if sizing)
     assert set(fast.media) == set(slow.media) and set(fast.group_media) == set(slow.group_media)
     pairs = [(fast.media[m], slow.media[m]) for m in fast.media]
     pairs += [(fast.group_media[k], slow.group_media[k]) for k in fast.group_media]

@@ -163,3 +163,23 @@ def test_whatif_command_over_a_recording(tmp_path):
     for r in lines:
         assert r["observed_cached_tokens"] == 0 and r["requests"] == 3 and r["prompt_tokens"] == 39
         assert r["predicted_hit_ratio"] == round(r["predicted_cached_tokens"] / 39, 5) and r["uncertain"] is False
+
+
+# --- the live estimate on an evicted miss ---------------------------------------------------------
+
+
+def test_the_live_estimate_counts_the_evictions_between_the_blocks_removal_and_the_lookup():
+    from fleet_builders import evicting_worker
+
+    from kvmiss.enricher.estimates.whatif import eviction_estimate
+
+    index, view = evicting_worker(3)
+    margin = index.tail_margin_s
+    at = lambda pool: eviction_estimate(view, 12, 1020.5, margin, pool)  # noqa: E731
+    assert at(17).reuse_distance_blocks == 4  # itself and the 3 evicted after it
+    assert [at(pool).scale for pool in (17, 9, 5, 3, 2)] == ["1.25", "1.5", "2", "4", "8"]
+    index, view = evicting_worker(12)
+    assert eviction_estimate(view, 12, 1020.5, margin, 2).scale == ">8"
+    assert eviction_estimate(view, 12, 1020.5, margin, 0) is None  # the pool is not known
+    index, view = evicting_worker(0, clear_at=12)
+    assert eviction_estimate(view, 12, 1020.5, margin, 64) is None  # a reset: no pool size keeps it

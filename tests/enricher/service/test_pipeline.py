@@ -534,3 +534,23 @@ def test_a_span_named_worker_no_replica_follows_leaves_other_misses_unknown_not_
     pipe.poll()  # no span has named C for longer than unsubscribed_keep_s
     asyncio.run(pipe.consume(export_request(miss("A", "later"))))
     assert attrs(sink.spans()[-1])["kvmiss.label"] == "no_match" and pipe.unsubscribed == {}
+
+
+# --- what-if estimates beside an evicted verdict ---------------------------------------------------
+
+
+def test_an_evicted_miss_carries_the_estimate_beside_its_label_and_feeds_the_per_worker_counters():
+    from fleet_builders import evicting_worker
+
+    index, _ = evicting_worker(3)
+    sink = Sink()
+    pipe = Pipeline(Attributor(index), sink, clock=Clock(), judge_on_arrival=True, pool_blocks={"A": 9})
+    asyncio.run(pipe.consume(export_request(router_span(**{"gen_ai.usage.input_tokens": 40}))))
+    a = attrs(sink.spans()[0])
+    assert a["kvmiss.label"] == "evicted"
+    assert a["kvmiss.whatif.scale"] == "1.5" and a["kvmiss.whatif.reuse_distance_blocks"] == 4
+    assert pipe.stats.whatif_evicted_tokens == {"A": 16}
+    assert pipe.stats.whatif_kept_tokens == {("A", "1.5"): 16, ("A", "2"): 16, ("A", "4"): 16, ("A", "8"): 16}
+    plain = Pipeline(Attributor(evicting_worker(3)[0]), Sink(), clock=Clock(), judge_on_arrival=True)
+    asyncio.run(plain.consume(export_request(router_span(**{"gen_ai.usage.input_tokens": 40}))))
+    assert "kvmiss.whatif.scale" not in attrs(plain.sink.spans()[0])  # no pool size: no estimate
