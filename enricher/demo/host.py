@@ -41,7 +41,7 @@ SPECULATIVE_TTL_S = 2.0
 
 
 def demo_config(workers: dict[str, tuple[str, str]], export_file: Path, digest_key: str,
-                block_size: int) -> str:
+                block_size: int, pool_blocks: int = 0) -> str:
     """The kvmiss.toml the demo runs: ``workers`` maps id -> (endpoint, replay endpoint)."""
     lines = [
         "# Written by `kvmiss demo`: the configuration its in-process `kvmiss serve` ran with.",
@@ -55,6 +55,8 @@ def demo_config(workers: dict[str, tuple[str, str]], export_file: Path, digest_k
     for worker, (endpoint, replay) in workers.items():
         lines += ["[[workers]]", f"id = {_toml_str(worker)}", f"endpoint = {_toml_str(endpoint)}",
                   f"replay_endpoint = {_toml_str(replay)}"]
+        if pool_blocks:
+            lines.append(f"pool_blocks = {pool_blocks}")  # what-if estimates on evicted misses
     return "\n".join(lines) + "\n"
 
 

@@ -133,6 +133,13 @@ class DemoReport:
                        f"{h['gaps_detected']:>6}"
                        f"{h['replays_recovered']:>11}/{h['replays_failed']:<7}"
                        f"{h['unrecoverable_gaps']:>15}{h['epoch_changes']:>8}{quarantine:>12}")
+        whatif = summary.get("whatif") or {}
+        if whatif.get("evicted_tokens"):
+            shares = ", ".join(f"{scale}x {x:.0%}" for scale, x in whatif["kept_share_by_scale"].items())
+            most = whatif["scale_keeping_most"]
+            out += [f"what-if (an estimate, never a label): of {whatif['evicted_tokens']} tokens lost to evictions, "
+                    f"a larger pool would have kept {shares}"
+                    + (f"; {most}x the pool recovers most of them" if most else "; no size up to 8x recovers most")]
         spec = summary["route_to_stored"]
         out += ["", f"route-to-BlockStored: p50 {spec['p50_ms']} ms, p95 {spec['p95_ms']} ms, "
                 f"p99 {spec['p99_ms']} ms ({spec['confirmed']} speculative entries confirmed, "

@@ -31,6 +31,7 @@ import zmq
 from kvmiss.enricher.demo.emit import SpanEmitter
 from kvmiss.enricher.demo.engine import SimRequest
 from kvmiss.enricher.demo.faults import FAULTS, FaultRunner, SimWorker, plan_faults
+from kvmiss.enricher.estimates.whatif import LADDER, ladder_label
 from kvmiss.enricher.demo.host import ASSEMBLE_WAIT_S, HISTORY_WAIT_S, KvmissHost, Speculation, demo_config
 from kvmiss.enricher.demo.report import UNKNOWN_BUDGET, DemoReport
 from kvmiss.enricher.demo.router import Router
@@ -105,7 +106,7 @@ def run_demo(options: DemoOptions, log: IO[str] = sys.stderr) -> tuple[dict[str,
             sim.start()
         endpoints = {w: (f"tcp://127.0.0.1:{s.pub_port}", f"tcp://127.0.0.1:{s.replay_port}")
                      for w, s in sims.items()}
-        host = KvmissHost(demo_config(endpoints, out / ENRICHED, DEMO_DIGEST_SECRET, BLOCK_SIZE),
+        host = KvmissHost(demo_config(endpoints, out / ENRICHED, DEMO_DIGEST_SECRET, BLOCK_SIZE, NUM_BLOCKS),
                           out / "kvmiss.toml", records=out / "attributions.jsonl",
                           speculation=speculation, diagnose=_diagnoser(by_id, diagnoses))
         service = host.start()
@@ -149,6 +150,7 @@ def run_demo(options: DemoOptions, log: IO[str] = sys.stderr) -> tuple[dict[str,
         "enriched_spans_file": str(out / ENRICHED), "raw_material_in_export": raw,
         "route_to_stored": speculation.summary(), "history_wait_s": HISTORY_WAIT_S,
         "assemble_wait_s": ASSEMBLE_WAIT_S,
+        "whatif": whatif_summary(stats),
     }
     summary = report.as_json(service.fleet.streams, extra)
     context = report_context(summary, host.streams, faults, speculation, UNKNOWN_BUDGET)
@@ -248,6 +250,17 @@ def _diagnoser(by_id: dict[str, SimRequest], diagnoses: dict[str, list[str]]):
         diagnoses[request.id] = [holder_as_seen(service.index, w, first_miss, facts.lookup_time)
                                  for w in request.truth.other_holders]
     return diagnose
+
+
+def whatif_summary(stats) -> dict[str, Any]:
+    """Of the evicted misses' tokens (those with an estimate), the share each ladder pool
+    size would have kept cached, over the fleet; and the smallest size that keeps most."""
+    evicted = sum(stats.whatif_evicted_tokens.values())
+    kept = {label: sum(n for (_, scale), n in stats.whatif_kept_tokens.items() if scale == label)
+            for label in (ladder_label(s) for s in LADDER)}
+    share = {label: round(n / evicted, 4) if evicted else 0.0 for label, n in kept.items()}
+    most = next((label for label, x in share.items() if x >= 0.5), None)
+    return {"evicted_tokens": evicted, "kept_share_by_scale": share, "scale_keeping_most": most}
 
 
 def _scrape_requests_total(port: int | None) -> int | None:

@@ -380,6 +380,13 @@ def test_the_demo_runs_the_real_pipeline_with_no_wrong_verdict(tmp_path):
     # The whole span path: every span out exactly once, every request counted by /metrics.
     assert summary["spans_exported"] == summary["spans_emitted"] >= 300
     assert summary["metrics_requests_total"] == 150
+    # What-if on evicted misses (the simulated pools' size is in the demo's config): an
+    # estimate per evicted miss, shares that only grow with the pool and stay within 1.
+    whatif = summary["whatif"]
+    assert whatif["evicted_tokens"] <= summary["missed_tokens_by_label"].get("evicted", 0)
+    shares = list(whatif["kept_share_by_scale"].values())
+    assert list(whatif["kept_share_by_scale"]) == ["1.25", "1.5", "2", "4", "8"]
+    assert shares == sorted(shares) and all(0 <= x <= 1 for x in shares)
     latency = summary["route_to_stored"]
     assert latency["confirmed"] > 100 and 0 < latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"]
     enriched = (tmp_path / "enriched.otlp.jsonl").read_text()
