@@ -11,17 +11,13 @@ no lock.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import secrets
 import time
 from typing import Callable
 
-from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client import CollectorRegistry
-from prometheus_client import exposition as prom_text
-from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvmiss.collectors.continuity import StreamAction, StreamConfig
 from kvmiss.collectors.fleet import Fleet
@@ -33,10 +29,10 @@ from kvmiss.enricher.core.privacy import DigestKey, load_digest_key
 from kvmiss.enricher.otlp.exporter import ExportQueue, build_exporters
 from kvmiss.enricher.otlp.interfaces import ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
 from kvmiss.enricher.otlp.journal import SpanJournal
-from kvmiss.enricher.otlp.listener import BodyRefused, ConnectionBounds, HttpListener, LimitLog, answer_and_close, read_body
-from kvmiss.enricher.otlp.receiver import Receivers, parse_listen
+from kvmiss.enricher.otlp.receiver import Receivers
 from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
 from kvmiss.enricher.service.handoff import IndexFeed
+from kvmiss.enricher.service.health_endpoint import HealthEndpoint
 from kvmiss.enricher.service.metrics import KvmissCollector
 from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
@@ -46,13 +42,6 @@ log = logging.getLogger("kvmiss.serve")
 
 TICK_S = 0.02  # how often applied batches are drained and pending requests judged
 READY_GRACE_S = 30.0  # a stream recovering (replay) or verifying longer than this is not ready
-# The /metrics, /healthz, /readyz listener serves a scraper and a few probes: a small
-# connection cap, and short waits (Prometheus scrapes every 15-60 s and reconnects when an
-# idle connection was closed). It only serves GETs: a body over METRICS_MAX_BODY_BYTES, or
-# one not in within METRICS_BODY_TIMEOUT_S, is answered 413 / 408 and the connection closed.
-METRICS_BOUNDS = ConnectionBounds(max_connections=16, idle_s=15.0)
-METRICS_MAX_BODY_BYTES = 4096
-METRICS_BODY_TIMEOUT_S = 5.0
 
 
 class FanOut:
@@ -137,15 +126,13 @@ class Service:
                         "with a C compiler present. !!!")
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there
         self.registry = CollectorRegistry()
+        self.health = HealthEndpoint(self.registry, self.ready)  # /metrics, /healthz, /readyz
         self.registry.register(KvmissCollector(
             self.pipeline.stats, lambda: self.fleet.streams,
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
             exports=lambda: self.queues, clock_bounds=self.clock_bounds,
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
-            endpoint=self._endpoint_counts))
-        self.endpoint_stats: collections.Counter[str] = collections.Counter()  # the metrics listener's
-        self._metrics_listener: HttpListener | None = None
-        self.metrics_port: int | None = None
+            endpoint=self.health.counts))
         self._ticker: asyncio.Task | None = None
         self._stopping = False
 
@@ -224,7 +211,7 @@ class Service:
         self.subscriber.start()
         await self.receivers.start()
         if self.config.metrics.listen:
-            await self._start_metrics(self.config.metrics.listen)
+            await self.health.start(self.config.metrics.listen)
         self._ticker = asyncio.get_running_loop().create_task(self._tick_forever(), name="kvmiss-tick")
         log.info("kvmiss serving: %d workers, OTLP grpc=%s http=%s, metrics=%s",
                  len(self.config.workers), self.receivers.grpc_port, self.receivers.http_port,
@@ -246,8 +233,11 @@ class Service:
         self.subscriber.shutdown(timeout)
         if self.journal is not None:
             self.journal.close()
-        if self._metrics_listener is not None:
-            await self._metrics_listener.shutdown()
+        await self.health.shutdown()
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.health.port
 
     async def _tick_forever(self) -> None:
         while True:
@@ -292,47 +282,6 @@ class Service:
             states["pipeline"] = "full"
             healthy = False
         return healthy, states
-
-    async def _start_metrics(self, address: str) -> None:
-        app = web.Application(middlewares=[self._refuse_bodies])
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        self._metrics_listener = HttpListener(
-            app, METRICS_BOUNDS, name="metrics endpoint", stats=self.endpoint_stats,
-            cap_hint="counted in kvmiss_metrics_http_connections_refused_total", warnings=LimitLog(log))
-        await self._metrics_listener.start(*parse_listen(address))
-        self.metrics_port = self._metrics_listener.port
-
-    def _endpoint_counts(self) -> dict[str, int]:
-        listener = self._metrics_listener
-        return {**self.endpoint_stats, "connections": listener.connections if listener is not None else 0}
-
-    @web.middleware
-    async def _refuse_bodies(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every route is a GET: a body is read (and dropped) only when small and prompt."""
-        if request.body_exists:
-            try:
-                await read_body(request, limit=METRICS_MAX_BODY_BYTES, timeout_s=METRICS_BODY_TIMEOUT_S)
-            except BodyRefused as refused:
-                self.endpoint_stats[f"requests_{refused.reason}"] += 1
-                status = 413 if refused.reason == "too_large" else 408
-                return await answer_and_close(request, web.Response(status=status, text=str(refused)))
-        return await handler(request)
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        if "application/openmetrics-text" in request.headers.get("Accept", ""):
-            body, ctype = openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
-        else:
-            body, ctype = prom_text.generate_latest(self.registry), prom_text.CONTENT_TYPE_LATEST
-        return web.Response(body=body, headers={"Content-Type": ctype})
-
-    async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def _readyz(self, request: web.Request) -> web.Response:
-        ready, states = self.ready()
-        return web.json_response({"ready": ready, "workers": states}, status=200 if ready else 503)
 
 
 def _describe(action: StreamAction) -> str:

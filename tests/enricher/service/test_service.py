@@ -23,7 +23,7 @@ from sglang_publisher import batch
 
 from kvmiss.enricher.otlp.listener import ConnectionBounds
 from kvmiss.enricher.otlp.receiver import parse_otlp_json
-from kvmiss.enricher.service import serve as service_module
+from kvmiss.enricher.service import health_endpoint
 from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.config import parse_config
 
@@ -227,19 +227,19 @@ async def metrics_endpoint():
 
 class TestMetricsEndpointBounds:
     def test_connections_past_its_small_cap_are_closed_and_counted(self, monkeypatch):
-        monkeypatch.setattr(service_module, "METRICS_BOUNDS", ConnectionBounds(max_connections=2, idle_s=60.0))
+        monkeypatch.setattr(health_endpoint, "BOUNDS", ConnectionBounds(max_connections=2, idle_s=60.0))
 
         async def scenario():
             async with metrics_endpoint() as service:
                 port = service.metrics_port
                 held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-                assert await until(lambda: service._metrics_listener.connections == 2)
+                assert await until(lambda: service.health.listener.connections == 2)
                 extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
                 extra = await read_until_closed(extra_reader)
                 extra_writer.close()
                 for _, writer in held:
                     writer.close()
-                assert await until(lambda: service._metrics_listener.connections == 0)
+                assert await until(lambda: service.health.listener.connections == 0)
                 return extra, await scrape(port)
 
         extra, (status, text) = asyncio.run(scenario())
@@ -276,8 +276,8 @@ class TestMetricsEndpointBounds:
         assert answer is not None and answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status": "ok"}')
 
     def test_a_trickled_body_is_answered_408_and_a_trickled_header_cut_off(self, monkeypatch):
-        monkeypatch.setattr(service_module, "METRICS_BOUNDS", ConnectionBounds(max_connections=1, idle_s=1.0))
-        monkeypatch.setattr(service_module, "METRICS_BODY_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(health_endpoint, "BOUNDS", ConnectionBounds(max_connections=1, idle_s=1.0))
+        monkeypatch.setattr(health_endpoint, "BODY_TIMEOUT_S", 0.5)
 
         async def trickle(writer, data: bytes) -> None:
             with contextlib.suppress(ConnectionError, OSError):
@@ -297,7 +297,7 @@ class TestMetricsEndpointBounds:
 
         async def scenario():
             async with metrics_endpoint() as service:
-                port, listener = service.metrics_port, service._metrics_listener
+                port, listener = service.metrics_port, service.health.listener
                 body = await slow(port, b"GET /healthz HTTP/1.1\r\nHost: kvmiss\r\nContent-Length: 2000\r\n\r\n",
                                   b"x" * 2000)
                 assert await until(lambda: listener.connections == 0)  # the only slot is free again
