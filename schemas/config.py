@@ -104,9 +104,12 @@ class ExportConfig(_Section):
     keep_block_hashes: bool = False
     timeout_s: float = 10.0
     tls_ca: str | None = None  # PEM CA bundle to verify https:// / grpcs:// (default: system)
-    # Append-only record of spans accepted upstream and finished downstream: after a crash,
-    # the difference is reported as lost (kvmiss_spans_lost_on_restart_total) at start-up.
+    # A directory: the write-ahead journal of accepted request bodies (enricher/otlp/journal.py).
+    # A body is on disk (fsync'd by group commit every journal_sync_interval_s) before the
+    # sender gets its OK, and replayed after a crash until its spans are exported.
     journal: str | None = None
+    journal_max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 1 << 30  # beyond: UNAVAILABLE / 503
+    journal_sync_interval_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.01
 
 
 class EngineConfig(_Section):

@@ -342,15 +342,17 @@ class ExportQueue:
 
     def __init__(self, exporter: TracesExporter, *, max_spans: int = 200_000, initial_backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, max_elapsed_s: float = 300.0) -> None:  # fmt: skip
-        self.on_finished: Callable[[int], None] | None = None  # e.g. the span journal
+        # (spans, tag) when a request leaves for good -- sent, or given up and counted --; not
+        # for one dropped at shutdown, which the span journal replays on the next start.
+        self.on_finished: Callable[[int, object], None] | None = None
         self.exporter = exporter
         self.max_spans = max_spans
         self._initial_backoff = initial_backoff_s
         self._max_backoff = max_backoff_s
         self._max_elapsed = max_elapsed_s
-        # (request, spans); the head stays in the deque while it is being exported, so the
-        # bound also covers the request in flight.
-        self._items: collections.deque[tuple[OtlpRequest, int]] = collections.deque()
+        # (request, spans, tag); the head stays in the deque while it is being exported, so
+        # the bound also covers the request in flight.
+        self._items: collections.deque[tuple[OtlpRequest, int, object]] = collections.deque()
         self.queued_spans = 0
         self._put_seq = 0  # requests ever queued
         self._done_seq = 0  # requests finished (sent, failed or dropped)
@@ -374,9 +376,10 @@ class ExportQueue:
         upstream when not. An empty queue takes any size, so one huge request cannot wedge."""
         return not self._closing and (self.queued_spans == 0 or self.queued_spans + n_spans <= self.max_spans)
 
-    def put(self, request: OtlpRequest, n_spans: int | None = None) -> bool:
-        """Queue ``request`` (the queue owns it from now on). Never blocks; returns False,
-        counting the spans as dropped, when full or shut down."""
+    def put(self, request: OtlpRequest, n_spans: int | None = None, tag: object = None) -> bool:
+        """Queue ``request`` (the queue owns it from now on); ``tag`` comes back with
+        `on_finished`. Never blocks; returns False, counting the spans as dropped, when full
+        or shut down."""
         n = span_count(request) if n_spans is None else n_spans
         if self._closing:
             self.dropped_spans["already_shutdown"] += n
@@ -386,7 +389,7 @@ class ExportQueue:
                 log.warning("export queue full (%d spans): refusing requests; counted as queue_full", self.max_spans)
             self.dropped_spans["queue_full"] += n
             return False
-        self._items.append((request, n))
+        self._items.append((request, n, tag))
         self.queued_spans += n
         self._put_seq += 1
         self._wakeup.set()
@@ -423,9 +426,9 @@ class ExportQueue:
         if not flushed and self._items:
             log.warning("export queue: %d spans not sent within %.1f s of shutdown; dropped", self.queued_spans, timeout)
         while self._items:
-            _, n = self._items.popleft()
+            _, n, _ = self._items.popleft()
             self.dropped_spans["shutdown"] += n
-            self._finished(n)
+            self._finished(n, None)  # not gone for good: journaled, it is replayed at the next start
         await self.exporter.shutdown()
 
     async def _run(self) -> None:
@@ -434,15 +437,15 @@ class ExportQueue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            request, n = self._items[0]
+            request, n, tag = self._items[0]
             await self._export(request, n)
             self._items.popleft()
-            self._finished(n)
+            self._finished(n, tag)
 
-    def _finished(self, n: int) -> None:
+    def _finished(self, n: int, tag: object) -> None:
         self.queued_spans -= n
-        if self.on_finished is not None:
-            self.on_finished(n)
+        if self.on_finished is not None and tag is not None:
+            self.on_finished(n, tag)
         self._done_seq += 1
         while self._flush_waiters and self._flush_waiters[0][0] <= self._done_seq:
             _, waiter = self._flush_waiters.pop(0)

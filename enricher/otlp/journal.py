@@ -1,62 +1,246 @@
-"""The span journal: what was acknowledged upstream but never finished downstream.
+"""The write-ahead journal: every accepted OTLP request body, on disk before the sender gets
+its OK, until every span in it has left the export queue.
 
-kvmiss holds spans in memory while it judges them and while the export queue delivers
-them; a crash loses those. The journal makes that loss visible instead of silent: a line
-``a <n>`` when ``n`` spans are accepted (the sender got its OK), ``f <n>`` when ``n`` leave
-the export queue (sent, or failed/dropped and counted there). Each line is one small
-``O_APPEND`` write, so it survives a SIGKILL (the page cache keeps it; only power loss needs
-fsync). At start-up the previous run's accepted minus finished is the number lost, reported
-once (`lost_on_restart`, metric ``kvmiss_spans_lost_on_restart_total``), and the file starts
-afresh. It records counts only -- never span contents.
+Layout: a directory of segments ``seg-<n>.wal``, appended in order. Records:
+
+    type (1 byte, b"R" body | b"D" done) | u32 payload length | u32 crc32(type + payload) | payload
+    R payload: u64 record id | u32 spans | the ExportTraceServiceRequest protobuf bytes
+    D payload: u64 record id
+
+A body is written (one ``os.write``: a SIGKILL cannot lose it, the page cache keeps it) and
+made durable by group commit -- one fsync per ``sync_interval_s`` for everything written
+since -- before `durable` returns and the receiver answers. When its spans have been
+exported (or given up by the export queue, counted there), a done record is appended and
+the segment is deleted once none of its bodies is still live. Past ``max_bytes`` of live
+segments `full` is true and the receiver answers UNAVAILABLE / 503 with a retry delay, as
+for a full buffer.
+
+At start-up the previous run's segments are read: bodies without a done record are
+`recovered`, to be fed through the pipeline again (delivery is at-least-once: a body whose
+export finished just before the crash, before its done record was written, goes out twice;
+`recovered_spans` counts what is replayed). A record torn by a crash mid-write, or one
+whose checksum fails, ends its segment: what follows it is not trusted, the loss is counted
+(`torn_records`), and start-up goes on. Bodies are the spans' own bytes: the journal holds
+what kvmiss was given, nothing derived from it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import struct
+import zlib
+from pathlib import Path
 
 log = logging.getLogger("kvmiss.journal")
 
+_HEAD = struct.Struct("<cII")  # type, payload length, crc32
+_BODY = struct.Struct("<QI")  # record id, spans
+_DONE = struct.Struct("<Q")
+BODY, DONE = b"R", b"D"
+MAX_RECORD_BYTES = 1 << 31  # a length beyond this is damage, not a body
 
-def _read_balance(path: str) -> int:
-    accepted = finished = 0
-    try:
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # a torn last write: its count may be cut short
-                kind, _, count = line.strip().partition(b" ")
-                if not count.isdigit():
-                    continue
-                if kind == b"a":
-                    accepted += int(count)
-                elif kind == b"f":
-                    finished += int(count)
-    except FileNotFoundError:
-        return 0
-    return max(0, accepted - finished)
+
+class JournalError(OSError):
+    """The journal directory cannot be used (the message names the path)."""
+
+
+class _Segment:
+    __slots__ = ("path", "bytes", "live")
+
+    def __init__(self, path: Path, size: int = 0):
+        self.path, self.bytes, self.live = path, size, 0
+
+
+def _read_segment(path: Path) -> tuple[list[tuple[int, int, bytes]], set[int], bool]:
+    """(bodies as (id, spans, bytes), done ids, torn) of one segment file."""
+    data = path.read_bytes()
+    bodies, done, at = [], set(), 0
+    while at < len(data):
+        if at + _HEAD.size > len(data):
+            return bodies, done, True
+        kind, length, crc = _HEAD.unpack_from(data, at)
+        start, end = at + _HEAD.size, at + _HEAD.size + length
+        if length > MAX_RECORD_BYTES or end > len(data) or zlib.crc32(kind + data[start:end]) != crc:
+            return bodies, done, True
+        if kind == BODY and length >= _BODY.size:
+            rid, spans = _BODY.unpack_from(data, start)
+            bodies.append((rid, spans, data[start + _BODY.size:end]))
+        elif kind == DONE and length == _DONE.size:
+            done.add(_DONE.unpack_from(data, start)[0])
+        else:
+            return bodies, done, True
+        at = end
+    return bodies, done, False
 
 
 class SpanJournal:
-    """Counts in, counts out. Thread-safe for appends (one ``os.write`` each)."""
+    """See the module docstring. Not thread-safe: the event loop thread owns it."""
 
-    def __init__(self, path: str):
-        self.path = path
-        self.lost_on_restart = _read_balance(path)
-        if self.lost_on_restart:
-            log.warning("%d spans acknowledged by the previous run were never exported (lost in "
-                        "a crash); counted in kvmiss_spans_lost_on_restart_total", self.lost_on_restart)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+    def __init__(self, directory: str, *, max_bytes: int = 1 << 30, segment_bytes: int = 64 << 20,
+                 sync_interval_s: float = 0.01):
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise JournalError(f"[export] journal: cannot use {directory}: {exc.strerror}") from None
+        if not self.directory.is_dir():
+            raise JournalError(f"[export] journal: {directory} is not a directory")
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        self.sync_interval_s = sync_interval_s
+        self.torn_records = 0  # records a crash cut short: their spans are lost
+        self.recovered: list[bytes] = []  # bodies to feed through the pipeline again
+        self.recovered_spans = 0
+        self.refused_full = 0  # requests answered UNAVAILABLE because the journal was full
+        self._segments: dict[int, _Segment] = {}  # segment number -> segment, oldest first
+        self._where: dict[int, int] = {}  # live record id -> its segment number
+        self._next_id = 1
+        self._written = 0  # bytes written (the sync task's watermark)
+        self._synced = 0
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._sync_task: asyncio.Task | None = None
+        self._recover()
+        self._fd = -1
+        self._current = -1
+        self._open_segment(max(self._segments, default=-1) + 1)
 
-    def accepted(self, spans: int) -> None:
-        if spans:
-            os.write(self._fd, b"a %d\n" % spans)
+    # --- start-up ------------------------------------------------------------------------------
 
-    def finished(self, spans: int) -> None:
-        if spans:
-            os.write(self._fd, b"f %d\n" % spans)
+    def _recover(self) -> None:
+        """Read the previous run's segments; the bodies not done are `recovered` and the old
+        files removed -- `replay` journals them again as they go back through the pipeline."""
+        numbers = sorted(int(p.stem.split("-", 1)[1]) for p in self.directory.glob("seg-*.wal")
+                         if p.stem.split("-", 1)[1].isdigit())
+        bodies: list[tuple[int, int, bytes]] = []
+        done: set[int] = set()
+        for number in numbers:
+            path = self.directory / f"seg-{number}.wal"
+            found, finished, torn = _read_segment(path)
+            bodies += found
+            done |= finished
+            if torn:
+                self.torn_records += 1
+                log.warning("journal %s: a record torn by a crash ends the segment; what followed it is lost", path.name)
+        for rid, spans, body in bodies:
+            if rid not in done:
+                self.recovered.append(body)
+                self.recovered_spans += spans
+            self._next_id = max(self._next_id, rid + 1)
+        self._stale = [self.directory / f"seg-{n}.wal" for n in numbers]
+        self._segments_seen = max(numbers, default=-1)
+        if self.recovered:
+            log.warning("journal: %d requests (%d spans) accepted by the previous run and not exported are "
+                        "replayed (at least once: some may have left just before the crash)",
+                        len(self.recovered), self.recovered_spans)
+
+    def forget_recovered(self) -> None:
+        """The recovered bodies are journaled again (by `append`): the old segments go."""
+        for path in self._stale:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self._stale = []
+        self.recovered = []
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def _open_segment(self, number: int) -> None:
+        number = max(number, self._segments_seen + 1)
+        self._segments_seen = number
+        if self._fd >= 0:
+            os.close(self._fd)
+            previous = self._segments.get(self._current)
+            if previous is not None and previous.live <= 0:  # everything in it is done already
+                del self._segments[self._current]
+                previous.path.unlink(missing_ok=True)
+        path = self.directory / f"seg-{number}.wal"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._segments[number] = _Segment(path)
+        self._current = number
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(s.bytes for s in self._segments.values())
+
+    def full(self) -> bool:
+        return self.live_bytes >= self.max_bytes
+
+    def append(self, body: bytes, spans: int) -> int:
+        """Write one accepted request's body; its record id (see `durable`, `done`)."""
+        rid = self._next_id
+        self._next_id += 1
+        payload = _BODY.pack(rid, spans) + body
+        self._write(BODY, payload)
+        segment = self._segments[self._current]
+        segment.live += 1
+        self._where[rid] = self._current
+        if segment.bytes >= self.segment_bytes:
+            self._open_segment(self._current + 1)
+        return rid
+
+    def _write(self, kind: bytes, payload: bytes) -> None:
+        record = _HEAD.pack(kind, len(payload), zlib.crc32(kind + payload)) + payload
+        view = memoryview(record)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self._segments[self._current].bytes += len(record)
+        self._written += len(record)
+
+    async def durable(self) -> None:
+        """Return once everything appended so far is fsync'd (group commit: one fsync per
+        ``sync_interval_s`` serves every request waiting meanwhile)."""
+        if self._synced >= self._written:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append((self._written, waiter))
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_soon(), name="kvmiss-journal-sync")
+        await waiter
+
+    async def _sync_soon(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(self.sync_interval_s)
+            mark, fd = self._written, self._fd
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, os.fsync, fd)
+            except OSError as exc:  # the bodies are written; only power loss could lose them now
+                log.error("journal fsync failed: %s", exc.strerror)
+            self._synced = max(self._synced, mark)
+            ready = [w for m, w in self._waiters if m <= mark]
+            self._waiters = [(m, w) for m, w in self._waiters if m > mark]
+            for waiter in ready:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def done(self, rid: int | None) -> None:
+        """Every span of record ``rid`` has left the export queue: it will not be replayed."""
+        number = self._where.pop(rid, None) if rid is not None else None
+        if number is None:
+            return
+        self._write(DONE, _DONE.pack(rid))
+        segment = self._segments.get(number)
+        if segment is None:
+            return
+        segment.live -= 1
+        if segment.live <= 0 and number != self._current:
+            del self._segments[number]
+            try:
+                segment.path.unlink()
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
         if self._fd >= 0:
+            try:
+                os.fsync(self._fd)
+            except OSError:
+                pass
             os.close(self._fd)
             self._fd = -1
+        for _, waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters = []

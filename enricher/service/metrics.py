@@ -190,8 +190,21 @@ class KvmissCollector(Collector):
         refused.add_metric(["pending_full"], s.spans_refused)
         refused.add_metric(["rate_limit"], intake.get("spans_refused_rate_limit", 0))
         refused.add_metric(["client_rate_limit"], intake.get("spans_refused_client_rate_limit", 0))
-        lost = CounterMetricFamily("kvmiss_spans_lost_on_restart", "Spans the previous run acknowledged but never exported (a crash), from the export journal.")
-        lost.add_metric([], s.lost_on_restart)
+        journal = s.journal
+        lost = CounterMetricFamily("kvmiss_journal_torn_records", "Journal records a crash cut short, found at start-up: "
+                                   "the only requests an acknowledged crash can lose.")
+        replayed = CounterMetricFamily("kvmiss_journal_replayed_spans", "Spans the previous run acknowledged and had not "
+                                       "exported, replayed from the journal at start-up (at least once: a few may be duplicates).")
+        refused_full = CounterMetricFamily("kvmiss_journal_refused", "Requests answered UNAVAILABLE / 503 because the journal "
+                                           "reached [export] journal_max_bytes.")
+        size = GaugeMetricFamily("kvmiss_journal_bytes", "Bytes of live journal segments.")
+        bound = GaugeMetricFamily("kvmiss_journal_max_bytes", "[export] journal_max_bytes: beyond it requests are refused.")
+        if journal is not None:
+            lost.add_metric([], journal.torn_records)
+            replayed.add_metric([], journal.recovered_spans)
+            refused_full.add_metric([], journal.refused_full)
+            size.add_metric([], journal.live_bytes)
+            bound.add_metric([], journal.max_bytes)
         unenriched = CounterMetricFamily("kvmiss_requests_unenriched", "Requests passed on without a full judgement, by reason.", labels=["reason"])
         for reason, n in sorted(s.unenriched.items()):
             unenriched.add_metric([reason], n)
@@ -223,7 +236,7 @@ class KvmissCollector(Collector):
             labels=["worker", "scale"])
         for (worker, scale), n in sorted(s.whatif_kept_tokens.items()):
             kept.add_metric([worker, scale], n)
-        yield from (received, exported, refused, lost, unenriched, bad, waits, resent, foreign, unsubscribed,
+        yield from (received, exported, refused, lost, replayed, refused_full, size, bound, unenriched, bad, waits, resent, foreign, unsubscribed,
                     evicted, kept)
         yield from self._connections(intake)
 

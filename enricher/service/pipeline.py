@@ -53,7 +53,7 @@ MAX_UNSUBSCRIBED = 64  # span-named workers absent from [[workers]] remembered a
 
 class ExportSink(Protocol):
     def has_capacity(self, spans: int) -> bool: ...
-    def put(self, request: OtlpRequest) -> bool: ...
+    def put(self, request: OtlpRequest, tag: object = None) -> bool: ...
 
 
 class PendingBatch:
@@ -64,11 +64,13 @@ class PendingBatch:
     in C on release (`rewrite_request`): no upb write, no serializing. A write the bytes
     cannot take turns the batch into a message batch (`Pipeline._to_message`)."""
 
-    __slots__ = ("request", "spans", "waiting", "carriers", "body", "edits")
+    __slots__ = ("request", "spans", "waiting", "carriers", "body", "edits", "tag")
 
-    def __init__(self, request: ExportTraceServiceRequest, spans: int, body: bytes | None = None):
+    def __init__(self, request: ExportTraceServiceRequest, spans: int, body: bytes | None = None,
+                 tag: object = None):
         self.request = request
         self.spans = spans
+        self.tag = tag  # handed to the sink with the request (the span journal's record id)
         self.waiting = 0
         self.carriers: list[Fragment] = []  # spans with raw inputs, as fragments (with their marks)
         self.body = body
@@ -107,7 +109,7 @@ class PipelineStats:
         self.spans_in = 0
         self.spans_out = 0
         self.spans_refused = 0  # answered RETRYABLE (the sender keeps them)
-        self.lost_on_restart = 0  # acknowledged by the previous run, never exported (journal)
+        self.journal = None  # the service's SpanJournal, when it has one (read by the metrics)
         self.resent_spans = 0  # copies of an enriched span that came again: the same verdict written
         # Output-named attributes a span came with, replaced by kvmiss's verdict: a sign that two
         # enrichers, or a client, write into kvmiss's namespace (or that enriched spans loop back).
@@ -181,9 +183,11 @@ class Pipeline:
 
     # --- intake ------------------------------------------------------------------------------
 
-    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
+    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None,
+                      tag: object = None) -> ConsumeResult:
         """``body``: the bytes ``request`` was parsed from, unchanged since; with them the
-        spans are read by the compiled wire scanner (one C pass, `WireScanner`)."""
+        spans are read by the compiled wire scanner (one C pass, `WireScanner`). ``tag``
+        goes to the sink with the request when it leaves (`ExportSink.put`)."""
         spans = span_count(request)
         # Every span held here goes to the sink later: reserve room for all of them, or a
         # held batch released into a full export queue would be dropped after its 200.
@@ -194,7 +198,7 @@ class Pipeline:
                                  retry_after_s=1.0)
         self.stats.spans_in += spans
         hits = None if body is None or self._wire is None else self._wire.scan(body)
-        batch = PendingBatch(request, spans, None if hits is None else body)  # with it: written as edits to it
+        batch = PendingBatch(request, spans, None if hits is None else body, tag)  # with it: written as edits to it
         now = self.clock()
         touched: dict[bytes, None] = {}  # trace ids this request fed, in arrival order
         if hits is None:
@@ -565,7 +569,7 @@ class Pipeline:
 
     def _hand_on(self, batch: PendingBatch, request: OtlpRequest) -> None:
         self.pending_spans -= batch.spans
-        if self.sink.put(request):
+        if self.sink.put(request) if batch.tag is None else self.sink.put(request, tag=batch.tag):
             self.stats.spans_out += batch.spans
         else:
             self.stats.unenriched["export_refused"] += batch.spans

@@ -45,22 +45,23 @@ READY_GRACE_S = 30.0  # a stream recovering (replay) or verifying longer than th
 
 
 class FanOut:
-    """The pipeline's export sink over one queue per exporter (network, file). With a span
-    journal, the first queue's outcomes are what counts as "finished" downstream."""
+    """The pipeline's export sink over one queue per exporter (network, file). With the span
+    journal, a request is done (`SpanJournal.done`) when the first queue is finished with it;
+    a request no queue takes is done at once (refused and counted by the queue)."""
 
     def __init__(self, queues: list[ExportQueue], journal: SpanJournal | None = None):
         self.queues = queues
         self.journal = journal
         if journal is not None and queues:
-            queues[0].on_finished = journal.finished
+            queues[0].on_finished = lambda spans, tag: journal.done(tag)
 
     def has_capacity(self, spans: int) -> bool:
         return all(q.has_capacity(spans) for q in self.queues)
 
-    def put(self, request: OtlpRequest) -> bool:
+    def put(self, request: OtlpRequest, tag: object = None) -> bool:
         if not self.queues:
             if self.journal is not None:
-                self.journal.finished(span_count(request))
+                self.journal.done(tag)
             return True  # nowhere to send: a dry run
         ok = True
         for queue in self.queues[1:]:
@@ -70,9 +71,9 @@ class FanOut:
             copy = ExportTraceServiceRequest()
             copy.CopyFrom(request)
             ok &= queue.put(copy)
-        primary = self.queues[0].put(request)
+        primary = self.queues[0].put(request, tag=tag)
         if not primary and self.journal is not None:  # refused and counted by the queue
-            self.journal.finished(span_count(request))
+            self.journal.done(tag)
         return primary and ok
 
 
@@ -106,7 +107,8 @@ class Service:
         self.subscriber = Subscriber(self.fleet, clock=clock)
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]
-        self.journal = SpanJournal(config.export.journal) if config.export.journal else None
+        self.journal = SpanJournal(config.export.journal, max_bytes=config.export.journal_max_bytes,
+                                   sync_interval_s=config.export.journal_sync_interval_s) if config.export.journal else None
         self.exemplars: dict[tuple[Label, str, str], str] = {}
         self._unsettled: dict[str, float] = {}  # worker -> since when recovering / verifying (`ready`)
         self.pipeline = Pipeline(
@@ -117,8 +119,6 @@ class Service:
             keep_block_hashes=config.export.keep_block_hashes,
             on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True,
             pool_blocks={w.id: w.pool_blocks for w in config.workers})
-        if self.journal is not None:
-            self.pipeline.stats.lost_on_restart = self.journal.lost_on_restart
         if not WIRE_SCAN:
             log.warning("!!! OTLP requests are read and written through parsed messages only: "
                         "enricher/otlp/_otlpwire.c was not built (no C compiler at install time, or "
@@ -209,10 +209,16 @@ class Service:
         for queue in self.queues:
             await queue.start()
         self.subscriber.start()
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_forever(), name="kvmiss-tick")
+        if self.journal is not None:
+            self.pipeline.stats.journal = self.journal
+            if self.journal.recovered:
+                await self._replay_journal()
+            else:
+                self.journal.forget_recovered()  # the previous run's segments held nothing live
         await self.receivers.start()
         if self.config.metrics.listen:
             await self.health.start(self.config.metrics.listen)
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_forever(), name="kvmiss-tick")
         log.info("kvmiss serving: %d workers, OTLP grpc=%s http=%s, metrics=%s",
                  len(self.config.workers), self.receivers.grpc_port, self.receivers.http_port,
                  self.metrics_port)
@@ -248,14 +254,50 @@ class Service:
     async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
         """The receivers' consumer: the pipeline, which judges on arrival, after the index has
         taken every batch the collector handed over, so a request whose history is here does
-        not wait for the next tick."""
+        not wait for the next tick. With the span journal, the body is written first and the
+        answer waits until it is durable: what kvmiss acknowledges survives a crash."""
         self.drain()
-        result = await self.pipeline.consume(request, body)
-        if result.outcome is Outcome.ACCEPTED and self.journal is not None:
-            # Before the answer reaches the sender, and before the spans can leave (they
-            # leave at the earliest on a later tick or this call's release: both after this).
-            self.journal.accepted(span_count(request))
+        journal = self.journal
+        if journal is None:
+            return await self.pipeline.consume(request, body)
+        if journal.full():
+            journal.refused_full += 1
+            self.pipeline.stats.spans_refused += span_count(request)
+            return ConsumeResult(Outcome.RETRYABLE, message="kvmiss journal is full", retry_after_s=1.0)
+        rid = journal.append(body if body is not None else request.SerializeToString(), span_count(request))
+        result = await self.pipeline.consume(request, body, tag=rid)
+        if result.outcome is not Outcome.ACCEPTED:
+            journal.done(rid)  # refused: the sender keeps it
+            return result
+        await journal.durable()
         return result
+
+    async def _replay_journal(self) -> None:
+        """Feed the previous run's accepted, unexported requests through the pipeline again,
+        before the receivers open (journaled anew as they go; the old segments are removed
+        after). The index is rebuilt from the engines' replay meanwhile: each request waits
+        for its history as any other would, and is unknown where that history is gone."""
+        journal = self.journal
+        assert journal is not None
+        bodies = journal.recovered
+        for body in bodies:
+            try:
+                request = ExportTraceServiceRequest.FromString(body)
+            except Exception:  # noqa: BLE001 - written by this code; a damaged body is skipped, counted
+                journal.torn_records += 1
+                continue
+            spans = span_count(request)
+            while True:
+                self.drain()
+                rid = journal.append(body, spans)
+                result = await self.pipeline.consume(request, body, tag=rid)
+                if result.outcome is Outcome.ACCEPTED:
+                    break
+                journal.done(rid)
+                await asyncio.sleep(0.05)  # the pipeline is full: let the tick release some
+        await journal.durable()
+        journal.forget_recovered()
+        log.info("journal: replayed %d requests (%d spans) from the previous run", len(bodies), journal.recovered_spans)
 
     # --- health and metrics ---------------------------------------------------------------
 

@@ -751,13 +751,13 @@ def test_an_engine_clock_beyond_the_bound_is_refused_not_guessed_then_judged_aga
 # --- 6. kvmiss itself is SIGKILLed and restarted ----------------------------------------------------
 
 
-def test_kvmiss_sigkilled_loses_exactly_the_spans_it_held_and_nothing_else(rig):
-    """kvmiss keeps no persistent buffer. A SIGKILL loses what it had acknowledged and not
-    yet delivered -- spans held for assembly or for history, and spans in the export queue
-    (the sink was down) -- and nothing else: every span acknowledged before them was
-    delivered, every span after the restart is. The restarted process rebuilds w0's history
-    from the publisher's replay ring and judges older lookups correctly, and its export
-    journal reports exactly the lost spans in kvmiss_spans_lost_on_restart_total."""
+def test_kvmiss_sigkilled_loses_nothing_it_acknowledged_the_journal_replays_it(rig):
+    """A SIGKILL while kvmiss holds acknowledged spans -- held for assembly or for history, and
+    in the export queue (the sink was down) -- loses none of them: the write-ahead journal
+    had each body on disk before the OK, and the restarted process replays what was not
+    exported before it opens its receivers. It rebuilds w0's history from the publisher's
+    replay ring; replayed requests are judged by the same rules (their lookups in the
+    future or facts that never complete are honest unknowns), later ones are proven."""
     engines = rig.engines(["w0"])
     sink = rig.sink()
     ports = (quiet_port(), quiet_port(), quiet_port())
@@ -800,25 +800,30 @@ def test_kvmiss_sigkilled_loses_exactly_the_spans_it_held_and_nothing_else(rig):
 
     kvmiss.kill()
     sink.start()
-    kvmiss = rig.start_kvmiss({"w0": engines.endpoints("w0")}, sink, **config)  # same ports
+    # Same ports and journal; shorter waits, so the replayed requests whose facts never
+    # complete are given up on quickly (what a verdict waits for is no part of the journal).
+    config.update(wait_s=2.0, assemble_wait_s=2.0)
+    kvmiss = rig.start_kvmiss({"w0": engines.endpoints("w0")}, sink, **config)
     bring_up(kvmiss, engines)  # w0 replayed from seq 0: the whole history is back
     t2 = engines.mark()
     wait_applied(kvmiss, dict(engines.seqs))
     for rid, t, block in (("late-K-t1", t1, K), ("late-N-t1", t1, N), ("late-K-t2", t2, K)):
         assert sender.try_once(spans.request(plain=99, routers=[router_attrs(rid, "w0", block, t)])) == 200
-    sink.wait_for(len(sender.acked) - len(held))
+    sink.wait_for(len(sender.acked), timeout=30)
     time.sleep(0.3)
 
     delivered = [s.span_id for s in sink.spans()]
-    assert len(delivered) == len(set(delivered)), "a span was delivered twice"
-    lost = set(sender.acked) - set(delivered)
-    assert lost == set(held), "lost spans are not exactly those held at the kill"
-    assert len(lost) == pending_at_kill <= config["max_pending_spans"]
+    assert set(sender.acked) <= set(delivered), "an acknowledged span was lost"
+    assert set(delivered) <= set(sender.acked)
+    duplicates = len(delivered) - len(set(delivered))
+    m = kvmiss.scrape()
+    assert m.get("kvmiss_journal_replayed_spans") == len(held) == 600
+    assert duplicates <= m.get("kvmiss_journal_replayed_spans") - len(held)  # at least once: here exactly once
+    assert m.get("kvmiss_journal_torn_records") == 0
     labels = check_verdicts(labels_at_sink(sink), {
         "early0": ("resident_miss",), "late-K-t1": ("resident_miss",), "late-N-t1": ("no_match",),
-        "late-K-t2": ("resident_miss",)})
+        "late-K-t2": ("resident_miss",), "future0": UNKNOWN, "future1": UNKNOWN,
+        "partial0": ("unknown_history",), "partial1": ("unknown_history",)})
     assert labels["late-K-t1"] == "resident_miss"
-    m = kvmiss.scrape()  # the new process counts the loss it found in the journal
-    assert m.get("kvmiss_spans_received") == 300
-    assert m.get("kvmiss_spans_lost_on_restart") == len(lost) == 600
+    assert m.get("kvmiss_spans_received") == 300 + 600  # the new requests and the replayed ones
     assert kvmiss.stop() == 0
