@@ -47,10 +47,13 @@ class JournalError(OSError):
 
 
 class _Segment:
-    __slots__ = ("path", "bytes", "live")
+    __slots__ = ("path", "bytes", "live", "live_bytes")
 
-    def __init__(self, path: Path, size: int = 0):
-        self.path, self.bytes, self.live = path, size, 0
+    def __init__(self, path: Path):
+        self.path = path
+        self.bytes = 0  # the file's size
+        self.live = 0  # bodies in it not done yet
+        self.live_bytes = 0  # their bytes: what the disk bound counts
 
 
 def _read_segment(path: Path) -> tuple[list[tuple[int, int, bytes]], set[int], bool]:
@@ -95,7 +98,7 @@ class SpanJournal:
         self.recovered_spans = 0
         self.refused_full = 0  # requests answered UNAVAILABLE because the journal was full
         self._segments: dict[int, _Segment] = {}  # segment number -> segment, oldest first
-        self._where: dict[int, int] = {}  # live record id -> its segment number
+        self._where: dict[int, tuple[int, int]] = {}  # live record id -> (its segment number, its bytes)
         self._next_id = 1
         self._written = 0  # bytes written (the sync task's watermark)
         self._synced = 0
@@ -163,7 +166,8 @@ class SpanJournal:
 
     @property
     def live_bytes(self) -> int:
-        return sum(s.bytes for s in self._segments.values())
+        """Bytes of the bodies not done yet: what ``max_bytes`` bounds."""
+        return sum(s.live_bytes for s in self._segments.values())
 
     def full(self) -> bool:
         return self.live_bytes >= self.max_bytes
@@ -173,21 +177,23 @@ class SpanJournal:
         rid = self._next_id
         self._next_id += 1
         payload = _BODY.pack(rid, spans) + body
-        self._write(BODY, payload)
+        size = self._write(BODY, payload)
         segment = self._segments[self._current]
         segment.live += 1
-        self._where[rid] = self._current
+        segment.live_bytes += size
+        self._where[rid] = (self._current, size)
         if segment.bytes >= self.segment_bytes:
             self._open_segment(self._current + 1)
         return rid
 
-    def _write(self, kind: bytes, payload: bytes) -> None:
+    def _write(self, kind: bytes, payload: bytes) -> int:
         record = _HEAD.pack(kind, len(payload), zlib.crc32(kind + payload)) + payload
         view = memoryview(record)
         while view:
             view = view[os.write(self._fd, view):]
         self._segments[self._current].bytes += len(record)
         self._written += len(record)
+        return len(record)
 
     async def durable(self) -> None:
         """Return once everything appended so far is fsync'd (group commit: one fsync per
@@ -217,14 +223,18 @@ class SpanJournal:
 
     def done(self, rid: int | None) -> None:
         """Every span of record ``rid`` has left the export queue: it will not be replayed."""
-        number = self._where.pop(rid, None) if rid is not None else None
-        if number is None:
+        where = self._where.pop(rid, None) if rid is not None else None
+        if where is None:
             return
+        number, size = where
         self._write(DONE, _DONE.pack(rid))
+        if self._segments[self._current].bytes >= self.segment_bytes:
+            self._open_segment(self._current + 1)
         segment = self._segments.get(number)
         if segment is None:
             return
         segment.live -= 1
+        segment.live_bytes -= size
         if segment.live <= 0 and number != self._current:
             del self._segments[number]
             try:

@@ -90,7 +90,7 @@ def kvmiss_config(*, http_port: int, grpc_port: int, metrics_port: int, sink_por
                   workers: dict[str, tuple[str, str | None]], max_pending_spans: int = 200_000,
                   wait_s: float = 2.0, assemble_wait_s: float = 2.0, retention_s: float = 600.0,
                   export_timeout_s: float = 5.0, history: dict | None = None,
-                  journal: str | None = None) -> str:
+                  journal: str | None = None, journal_max_bytes: int | None = None) -> str:
     blocks = []
     for worker, (endpoint, replay) in workers.items():
         blocks.append(f'[[workers]]\nid = "{worker}"\nendpoint = "{endpoint}"\n'
@@ -103,7 +103,8 @@ max_pending_spans = {max_pending_spans}
 [export]
 endpoint = "http://127.0.0.1:{sink_port}"
 timeout_s = {export_timeout_s}
-""" + (f'journal = "{journal}"\n' if journal else "") + f"""[engine]
+""" + (f'journal = "{journal}"\n' if journal else "") + (
+    f"journal_max_bytes = {journal_max_bytes}\n" if journal_max_bytes else "") + f"""[engine]
 block_size = {BLOCK}
 [privacy]
 digest_key = "reliability-test-secret-0001"

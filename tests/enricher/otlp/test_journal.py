@@ -79,8 +79,9 @@ def test_segments_rotate_and_go_when_every_body_in_them_is_done(tmp_path):
     assert SpanJournal(str(tmp_path)).recovered == []
 
 
-def test_the_bound_on_disk_makes_the_journal_full_until_bodies_are_done(tmp_path):
-    journal = SpanJournal(str(tmp_path), max_bytes=1000, segment_bytes=300)
+@pytest.mark.parametrize("segment_bytes", [300, 64 << 20])  # rotating, and all in the segment being written
+def test_the_bound_on_disk_makes_the_journal_full_until_bodies_are_done(tmp_path, segment_bytes):
+    journal = SpanJournal(str(tmp_path), max_bytes=1000, segment_bytes=segment_bytes)
     ids = []
     while not journal.full():
         ids.append(journal.append(b"z" * 100, 1))
