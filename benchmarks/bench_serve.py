@@ -490,6 +490,8 @@ def metric_sum(text: str, name: str, label_filter: str = "") -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--journal", action="store_true",
+                        help="run kvmiss serve with the write-ahead journal ([export] journal, in the temp dir)")
     parser.add_argument("--pool-blocks", type=int, default=0,
                         help="each worker's [[workers]] pool_blocks: what-if estimates on evicted misses (0: off)")
     parser.add_argument("--processes", type=int, default=1,
@@ -534,7 +536,8 @@ def main(argv: list[str] | None = None) -> None:
         pool = f"pool_blocks = {args.pool_blocks}\n" if args.pool_blocks else ""
         workers = "".join(f'[[workers]]\nid = "w{w}"\nendpoint = "{ep}"\n{pool}' for w, ep in enumerate(endpoints))
         config = work / "kvmiss.toml"
-        config.write_text(f'[otlp]\ngrpc = ""\nhttp = "127.0.0.1:{http_port}"\n[export]\n'
+        journal = f'journal = "{work / "journal"}"\n' if args.journal else ""
+        config.write_text(f'[otlp]\ngrpc = ""\nhttp = "127.0.0.1:{http_port}"\n[export]\n{journal}'
                           f'endpoint = "http://127.0.0.1:{sink_port}"\n[engine]\nblock_size = {BLOCK}\n'
                           f'[privacy]\ndigest_key = "bench-serve-digest-key-0001"\n'
                           f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n{workers}')
@@ -648,7 +651,8 @@ def report(args, results, metrics, tally, population_s, pop_batches, all_batches
     from google.protobuf.internal import api_implementation
 
     print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs; "
-          f"protobuf {google.protobuf.__version__} ({api_implementation.Type()})")
+          f"protobuf {google.protobuf.__version__} ({api_implementation.Type()}); journal "
+          f"{'on' if args.journal else 'off'}, processes {args.processes}")
     blocks = args.workers * (RESIDENT_STEPS + EVICTED_STEPS) * 64
     print(f"population: {args.workers} workers x {(RESIDENT_STEPS + EVICTED_STEPS) * 64:,} blocks stored "
           f"({EVICTED_STEPS * 64:,} then evicted), {pop_batches:,} batches, {blocks:,} blocks, applied in {population_s:.1f} s; "

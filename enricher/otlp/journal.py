@@ -8,8 +8,8 @@ Layout: a directory of segments ``seg-<n>.wal``, appended in order. Records:
     D payload: u64 record id
 
 A body is written (one ``os.write``: a SIGKILL cannot lose it, the page cache keeps it) and
-made durable by group commit -- one fsync per ``sync_interval_s`` for everything written
-since -- before `durable` returns and the receiver answers. When its spans have been
+made durable by group commit -- one fsync for everything written while the previous one
+ran, at most one per ``sync_interval_s`` -- before `durable` returns and the receiver answers. When its spans have been
 exported (or given up by the export queue, counted there), a done record is appended and
 the segment is deleted once none of its bodies is still live. Past ``max_bytes`` of live
 segments `full` is true and the receiver answers UNAVAILABLE / 503 with a retry delay, as
@@ -82,7 +82,7 @@ class SpanJournal:
     """See the module docstring. Not thread-safe: the event loop thread owns it."""
 
     def __init__(self, directory: str, *, max_bytes: int = 1 << 30, segment_bytes: int = 64 << 20,
-                 sync_interval_s: float = 0.01):
+                 sync_interval_s: float = 0.0):
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -207,8 +207,16 @@ class SpanJournal:
         await waiter
 
     async def _sync_soon(self) -> None:
+        """Group commit: an fsync starts as soon as a body waits and none is running; bodies
+        written meanwhile wait for the next, which follows at once (or, with
+        ``sync_interval_s``, no sooner than that after the previous one)."""
+        loop = asyncio.get_running_loop()
+        last = 0.0
         while self._waiters:
-            await asyncio.sleep(self.sync_interval_s)
+            gap = last + self.sync_interval_s - loop.time()
+            if gap > 0:
+                await asyncio.sleep(gap)
+            last = loop.time()
             mark, fd = self._written, self._fd
             try:
                 await asyncio.get_running_loop().run_in_executor(None, os.fsync, fd)

@@ -97,7 +97,7 @@ def test_durable_returns_once_an_fsync_covered_the_body(tmp_path, monkeypatch):
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
-    journal = SpanJournal(str(tmp_path), sync_interval_s=0.001)
+    journal = SpanJournal(str(tmp_path))
 
     async def accept_two():
         journal.append(b"a", 1)
