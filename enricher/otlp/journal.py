@@ -176,8 +176,7 @@ class SpanJournal:
         """Write one accepted request's body; its record id (see `durable`, `done`)."""
         rid = self._next_id
         self._next_id += 1
-        payload = _BODY.pack(rid, spans) + body
-        size = self._write(BODY, payload)
+        size = self._write(BODY, _BODY.pack(rid, spans), body)
         segment = self._segments[self._current]
         segment.live += 1
         segment.live_bytes += size
@@ -186,14 +185,22 @@ class SpanJournal:
             self._open_segment(self._current + 1)
         return rid
 
-    def _write(self, kind: bytes, payload: bytes) -> int:
-        record = _HEAD.pack(kind, len(payload), zlib.crc32(kind + payload)) + payload
-        view = memoryview(record)
-        while view:
-            view = view[os.write(self._fd, view):]
-        self._segments[self._current].bytes += len(record)
-        self._written += len(record)
-        return len(record)
+    def _write(self, kind: bytes, payload: bytes, body: bytes = b"") -> int:
+        """One record, as one ``writev`` of its parts (the body is never copied)."""
+        crc = zlib.crc32(body, zlib.crc32(payload, zlib.crc32(kind)))
+        parts = [_HEAD.pack(kind, len(payload) + len(body), crc), payload, body]
+        size = total = sum(map(len, parts))
+        while total:
+            written = os.writev(self._fd, parts)
+            total -= written
+            while parts and written >= len(parts[0]):  # a short write: resume where it stopped
+                written -= len(parts[0])
+                parts.pop(0)
+            if parts and written:
+                parts[0] = memoryview(parts[0])[written:]
+        self._segments[self._current].bytes += size
+        self._written += size
+        return size
 
     async def durable(self) -> None:
         """Return once everything appended so far is fsync'd (group commit: one fsync per
