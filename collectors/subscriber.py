@@ -32,6 +32,10 @@ log = logging.getLogger("kvmiss.collectors")
 MAX_MESSAGES_PER_SOCKET = 256
 POLL_INTERVAL_S = 0.05
 SUB_RCVHWM = 200_000  # above the publishers' default 100,000 send HWM
+# Sockets one worker may hold at once: its SUB, the SUB's monitor pair, a replay DEALER and a
+# tail probe's, with room to spare. ZeroMQ's default cap (1,023 per context) ran out at ~224
+# workers with replay (benchmarks/bench_ceiling.py): the collector thread died mid-fleet.
+SOCKETS_PER_WORKER = 8
 
 
 class Subscriber:
@@ -50,7 +54,12 @@ class Subscriber:
         self.fleet = fleet
         self.recorder = recorder
         self.clock = clock
-        self._ctx = context or zmq.Context.instance()
+        self._own_context = context is None
+        if context is None:  # its own context, sized to the fleet (see SOCKETS_PER_WORKER)
+            context = zmq.Context()
+            context.set(zmq.MAX_SOCKETS, max(context.get(zmq.MAX_SOCKETS),
+                                             SOCKETS_PER_WORKER * len(fleet.specs) + 64))
+        self._ctx = context
         self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,6 +70,7 @@ class Subscriber:
         self._disconnected: set[str] = set()
         self.ready = threading.Event()  # set once every socket is connected or bound
         self.error: Exception | None = None  # why the sockets could not be opened
+        self.failed: Exception | None = None  # why the running loop stopped, if it did
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -101,7 +111,15 @@ class Subscriber:
             self.run()
         except Exception as exc:
             if exc is not self.error:  # an open failure is raised by start() instead
+                self.failed = exc
+                log.critical("the KV-event collector stopped (%s: %s): no worker's events are applied from "
+                             "now on; /readyz answers 503 (restart kvmiss serve)", type(exc).__name__, exc)
                 raise
+
+    @property
+    def alive(self) -> bool:
+        """The loop runs (or has not been started): false once it died."""
+        return self.failed is None and (self._thread is None or self._thread.is_alive() or self._stop.is_set())
 
     # --- sockets ---------------------------------------------------------------------------
 
@@ -142,6 +160,8 @@ class Subscriber:
                     pass
             self._unregister(sock)
         self._dealers.clear()
+        if self._own_context:
+            self._ctx.destroy(linger=0)  # this thread held its every socket
 
     # --- the loop --------------------------------------------------------------------------
 

@@ -185,6 +185,19 @@ async def _serve(config) -> None:
     await service.shutdown()
 
 
+def _raise_open_files_limit() -> None:
+    """Every worker holds a few sockets (SUB, monitor, replay and probe DEALERs): lift the
+    soft limit on open files to the hard one, so a large fleet does not run out of them."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16), hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not on this platform, or not allowed: the default stays
+
+
 def run(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(
@@ -204,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_group(args)
     config = process_config(config, args.process_index or 0)
     gc.set_threshold(*GC_THRESHOLDS)  # a process-wide policy: serve's own, not the library's
+    _raise_open_files_limit()
     try:
         asyncio.run(_serve(config))
     except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad endpoint

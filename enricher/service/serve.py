@@ -302,7 +302,7 @@ class Service:
     # --- health and metrics ---------------------------------------------------------------
 
     def ready(self) -> tuple[bool, dict[str, str]]:
-        """Ready while the streams and the pipeline are healthy: every worker's stream is live,
+        """Ready while the collector runs and the streams and the pipeline are healthy: every worker's stream is live,
         explicitly quarantined, or has published nothing yet (an idle engine publishes
         nothing: the normal case), or has been recovering or verifying for less than
         `READY_GRACE_S` (a replay is routine); and the pipeline and its export queues have
@@ -310,6 +310,9 @@ class Service:
         and ``pipeline: full`` when that is what is wrong."""
         now = self.clock()
         states, healthy = {}, True
+        if not self.subscriber.alive:  # no event is applied any more: every answer would age
+            states["collector"] = "stopped"
+            healthy = False
         for worker, stream in self.fleet.streams.items():
             state = "quarantined" if stream.quarantined else stream.cursor.name.lower()
             states[worker] = state

@@ -322,3 +322,24 @@ def test_readiness_holds_for_an_idle_engine_and_fails_when_the_pipeline_is_full(
     svc.pipeline.pending_spans = svc.pipeline.max_pending_spans
     ready, states = svc.ready()
     assert not ready and states["pipeline"] == "full"
+
+
+def test_a_collector_that_stopped_makes_the_service_unready():
+    """The collector thread dying (a socket it could not open mid-run, say) stops all
+    ingest: /readyz must say so instead of answering from stale streams."""
+    config = parse_config(make_config({"w0": ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")}, "http://127.0.0.1:1"))
+    svc = Service(config)
+    assert svc.ready()[0]
+    svc.subscriber.failed = RuntimeError("Too many open files")  # what the loop records as it dies
+    ready, states = svc.ready()
+    assert not ready and states["collector"] == "stopped"
+
+
+def test_the_collectors_context_is_sized_to_the_fleet():
+    import zmq
+
+    from kvmiss.collectors.subscriber import SOCKETS_PER_WORKER
+
+    workers = {f"w{i}": (f"tcp://127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{21000 + i}") for i in range(300)}
+    svc = Service(parse_config(make_config(workers, "http://127.0.0.1:1")))
+    assert svc.subscriber._ctx.get(zmq.MAX_SOCKETS) >= SOCKETS_PER_WORKER * 300
