@@ -468,3 +468,10 @@ def test_missing_or_top_level_retries_are_detected():
     top_level["retry_on_failure"] = top_level["protocol"]["otlp"]["retry_on_failure"]
     with pytest.raises(AssertionError, match="duplicates"):
         check_retries_per_replica(top_level, single)
+
+
+def test_replicas_journal_what_they_accept():
+    """The Collector forgets what a replica acknowledged: only the replica's own write-ahead
+    journal keeps it across a crash, so the replica config turns it on."""
+    config = load_config(str(REPLICA_TOML))
+    assert config.export.journal and config.export.journal.startswith("/var/lib/")
