@@ -413,7 +413,7 @@ def pipeline_only(args) -> None:
         def has_capacity(self, spans: int) -> bool:
             return True
 
-        def put(self, request) -> bool:
+        def put(self, request, tag=None) -> bool:
             return True
 
     async def consume_all(requests, pipeline):

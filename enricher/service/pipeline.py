@@ -569,7 +569,7 @@ class Pipeline:
 
     def _hand_on(self, batch: PendingBatch, request: OtlpRequest) -> None:
         self.pending_spans -= batch.spans
-        if self.sink.put(request) if batch.tag is None else self.sink.put(request, tag=batch.tag):
+        if self.sink.put(request, batch.tag):
             self.stats.spans_out += batch.spans
         else:
             self.stats.unenriched["export_refused"] += batch.spans

@@ -31,7 +31,7 @@ class _Sink:
     def has_capacity(self, spans: int) -> bool:
         return True
 
-    def put(self, request) -> bool:
+    def put(self, request, tag=None) -> bool:
         return True
 
 

@@ -200,7 +200,7 @@ def test_a_count_that_is_not_an_int64_is_a_bad_attribute_not_an_exception(value)
         def has_capacity(self, spans):
             return True
 
-        def put(self, request):
+        def put(self, request, tag=None):
             return True
 
     pipe = Pipeline(Attributor(ResidencyIndex(["A"])), Sink(), clock=lambda: 0.0)

@@ -227,7 +227,7 @@ class Sink:
     def has_capacity(self, spans: int) -> bool:
         return True
 
-    def put(self, request) -> bool:
+    def put(self, request, tag=None) -> bool:
         self.requests.append(request)
         return not self.refuse  # a refusal is logged by the pipeline
 

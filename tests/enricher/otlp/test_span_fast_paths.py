@@ -272,7 +272,7 @@ def test_a_chain_with_an_element_of_another_kind_is_a_bad_attribute_and_the_span
         def has_capacity(self, spans):
             return True
 
-        def put(self, request):
+        def put(self, request, tag=None):
             sink.append(request)
             return True
 
@@ -442,7 +442,7 @@ def test_a_released_batch_leaves_no_reference_cycle_behind():
         def has_capacity(self, spans):
             return True
 
-        def put(self, request):
+        def put(self, request, tag=None):
             return True
 
     pipe = Pipeline(Attributor(ResidencyIndex(["w0"])), Discard(), clock=lambda: 0.0, judge_on_arrival=True)

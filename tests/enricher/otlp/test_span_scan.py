@@ -284,7 +284,7 @@ class _Keep:
     def has_capacity(self, spans):
         return True
 
-    def put(self, request):
+    def put(self, request, tag=None):
         self.out.append(interfaces.request_bytes(request))
         self.encoded += type(request) is interfaces.EncodedRequest
         return True

@@ -29,7 +29,7 @@ class Sink:
     def has_capacity(self, spans: int) -> bool:
         return spans <= self.capacity
 
-    def put(self, request) -> bool:
+    def put(self, request, tag=None) -> bool:
         self.requests.append(request)
         return True
 
