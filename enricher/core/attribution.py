@@ -65,7 +65,7 @@ class Attributor:
         index keeps no siblings or the miss is at the chain's root)."""
         if not block or not facts.block_hashes or evidence.lookup_step_seq is None:
             return None
-        view = next((v for v in self.index.views(facts.worker or "") if v.epoch == evidence.epoch), None)
+        view = self.index.view_of(facts.worker or "", evidence.epoch)
         if view is None or view.siblings is None:
             return None
         parent = facts.block_hashes[block - 1]

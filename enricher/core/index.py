@@ -456,5 +456,9 @@ class ResidencyIndex:
         current = self.current.get(worker)
         return ([current] if current is not None else []) + list(self.previous.get(worker, ()))
 
+    def view_of(self, worker: str, epoch: int | None) -> EpochView | None:
+        """The worker's view of that process lifetime, if the index still holds it."""
+        return next((v for v in self.views(worker) if v.epoch == epoch), None)
+
     def workers(self) -> list[str]:
         return sorted(self.tracked)

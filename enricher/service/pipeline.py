@@ -450,7 +450,7 @@ class Pipeline:
         if pool is None:
             return
         index = self.attributor.index
-        view = next((v for v in index.views(worker) if v.epoch == verdict.epoch), None)
+        view = index.view_of(worker, verdict.epoch)
         estimate = None if view is None else eviction_estimate(
             view, verdict.removed_seq, facts.lookup_time, index.tail_margin_s, pool)
         if estimate is None:
