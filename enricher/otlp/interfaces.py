@@ -41,10 +41,13 @@ ACCEPTED = ConsumeResult(Outcome.ACCEPTED)
 
 
 class TracesConsumer(Protocol):
-    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
+    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None,
+                      gzipped: bytes | None = None) -> ConsumeResult:
         """Take ownership of ``request``. Must not block the event loop; returns fast.
         ``body``: the protobuf bytes the receiver parsed ``request`` from, when it did and
-        changed nothing since (a consumer may read them instead of the message)."""
+        changed nothing since (a consumer may read them instead of the message);
+        ``gzipped``: the gzip'd bytes ``body`` came in as, when it did (the span journal
+        stores those: a third of the size)."""
         ...
 
 

@@ -3,8 +3,10 @@ its OK, until every span in it has left the export queue.
 
 Layout: a directory of segments ``seg-<n>.wal``, appended in order. Records:
 
-    type (1 byte, b"R" body | b"D" done) | u32 payload length | u32 crc32(type + payload) | payload
+    type (1 byte, b"R" body | b"Z" gzip'd body | b"D" done) | u32 payload length |
+    u32 crc32(type + payload) | payload
     R payload: u64 record id | u32 spans | the ExportTraceServiceRequest protobuf bytes
+    Z payload: the same, the bytes as the sender gzip'd them (what came in over OTLP/HTTP)
     D payload: u64 record id
 
 A body is written (one ``os.write``: a SIGKILL cannot lose it, the page cache keeps it) and
@@ -38,7 +40,7 @@ log = logging.getLogger("kvmiss.journal")
 _HEAD = struct.Struct("<cII")  # type, payload length, crc32
 _BODY = struct.Struct("<QI")  # record id, spans
 _DONE = struct.Struct("<Q")
-BODY, DONE = b"R", b"D"
+BODY, GZIPPED, DONE = b"R", b"Z", b"D"
 MAX_RECORD_BYTES = 1 << 31  # a length beyond this is damage, not a body
 
 
@@ -67,9 +69,15 @@ def _read_segment(path: Path) -> tuple[list[tuple[int, int, bytes]], set[int], b
         start, end = at + _HEAD.size, at + _HEAD.size + length
         if length > MAX_RECORD_BYTES or end > len(data) or zlib.crc32(kind + data[start:end]) != crc:
             return bodies, done, True
-        if kind == BODY and length >= _BODY.size:
+        if kind in (BODY, GZIPPED) and length >= _BODY.size:
             rid, spans = _BODY.unpack_from(data, start)
-            bodies.append((rid, spans, data[start + _BODY.size:end]))
+            body = data[start + _BODY.size:end]
+            if kind == GZIPPED:
+                try:
+                    body = zlib.decompress(body, wbits=31)
+                except zlib.error:
+                    return bodies, done, True
+            bodies.append((rid, spans, body))
         elif kind == DONE and length == _DONE.size:
             done.add(_DONE.unpack_from(data, start)[0])
         else:
@@ -172,11 +180,12 @@ class SpanJournal:
     def full(self) -> bool:
         return self.live_bytes >= self.max_bytes
 
-    def append(self, body: bytes, spans: int) -> int:
-        """Write one accepted request's body; its record id (see `durable`, `done`)."""
+    def append(self, body: bytes, spans: int, *, gzipped: bool = False) -> int:
+        """Write one accepted request's body (``gzipped``: as the sender gzip'd it); its
+        record id (see `durable`, `done`)."""
         rid = self._next_id
         self._next_id += 1
-        size = self._write(BODY, _BODY.pack(rid, spans), body)
+        size = self._write(GZIPPED if gzipped else BODY, _BODY.pack(rid, spans), body)
         segment = self._segments[self._current]
         segment.live += 1
         segment.live_bytes += size

@@ -424,7 +424,7 @@ class Receivers:
     # -- shared by both receivers ------------------------------------------------------
 
     async def _deliver(self, request: ExportTraceServiceRequest, peer: str = UNKNOWN_PEER,
-                       body: bytes | None = None) -> ConsumeResult:
+                       body: bytes | None = None, gzipped: bytes | None = None) -> ConsumeResult:
         """``peer``: the client's key (`client_key` / `grpc_peer_host`), for its own rate limit;
         ``body``: the protobuf bytes ``request`` was parsed from, if it was (the consumer may
         read them instead of the message: `Pipeline.consume`)."""
@@ -437,7 +437,7 @@ class Receivers:
             n_spans = span_count(request)
             if rejected:
                 self.stats["spans_rejected_invalid_id"] += rejected
-                body = None  # no longer what the request holds
+                body = gzipped = None  # no longer what the request holds
         self.stats["spans_received"] += n_spans + rejected
         if n_spans == 0:  # nothing left to hand on (empty request, or every span bad)
             result = ConsumeResult(Outcome.ACCEPTED)
@@ -445,7 +445,7 @@ class Receivers:
             return refused
         else:
             try:
-                result = await self._consumer.consume(request, body)
+                result = await self._consumer.consume(request, body, gzipped)
             except Exception:  # a consumer bug: answer 500/INTERNAL, never make senders retry it
                 log.exception("OTLP consumer raised; answering INTERNAL")
                 self.stats["requests_consumer_error"] += 1
@@ -557,17 +557,17 @@ class Receivers:
                 raise _Rejected(415, "unsupported_encoding", "Content-Encoding must be gzip or identity")
             if encoding == "gzip":
                 self.stats["http_requests_gzip"] += 1
-            body = await self._read_body(http_request, gzipped=encoding == "gzip")
+            body, gzipped = await self._read_body(http_request, gzipped=encoding == "gzip")
             request = self._decode(body, ctype)
             if ctype == JSON:
-                body = None  # not protobuf bytes
+                body = gzipped = None  # not protobuf bytes
         except _Rejected as rejected:
             self.stats[f"requests_{rejected.reason}"] += 1
             response = self._http_error(rejected.status, str(rejected), ctype, rejected.headers)
             if rejected.reason == "body_timeout":  # the rest may never come: do not wait for it
                 return await answer_and_close(http_request, response)
             return response
-        result = await self._deliver(request, client_key(http_request.remote), body)
+        result = await self._deliver(request, client_key(http_request.remote), body, gzipped)
         if result is _INTERNAL:
             return self._http_error(500, result.message, ctype)
         if result.outcome is Outcome.RETRYABLE:
@@ -583,7 +583,8 @@ class Receivers:
             response.partial_success.error_message = result.message
         return web.Response(body=_encode(response, ctype), content_type=ctype)
 
-    async def _read_body(self, http_request: web.Request, *, gzipped: bool) -> bytes:
+    async def _read_body(self, http_request: web.Request, *, gzipped: bool) -> tuple[bytes, bytes | None]:
+        """(the body, the gzip'd bytes it came in as or None)."""
         # The compressed size may exceed the decompressed one a little (incompressible data).
         limit = self._max_body + self._max_body // 64 + 1024 if gzipped else self._max_body
         try:
@@ -596,10 +597,10 @@ class Receivers:
                        "{reason=\"body_timeout\"})", self._body_timeout_s)
             raise _Rejected(503, "body_timeout", str(refused), {"Retry-After": str(max(1, math.ceil(DEFAULT_RETRY_AFTER_S)))}) from None
         if not gzipped:
-            return raw
+            return raw, None
         if len(raw) > _THREAD_GUNZIP_BYTES:  # zlib releases the GIL: keep the loop serving
-            return await asyncio.to_thread(_gunzip, raw, self._max_body)
-        return _gunzip(raw, self._max_body)
+            return await asyncio.to_thread(_gunzip, raw, self._max_body), raw
+        return _gunzip(raw, self._max_body), raw
 
     def _decode(self, body: bytes, ctype: str) -> ExportTraceServiceRequest:
         try:

@@ -50,7 +50,7 @@ INPUT_KEYS = _input_keys()
 
 
 class _NoConsumer:
-    async def consume(self, request, body=None):  # pragma: no cover - never reached by _decode
+    async def consume(self, request, body=None, gzipped=None):  # pragma: no cover - never reached by _decode
         raise AssertionError
 
 

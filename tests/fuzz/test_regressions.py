@@ -136,7 +136,7 @@ def test_otlp_json_that_crashed_the_parser_is_a_value_error_and_a_400(body, frag
         parse_otlp_json(body)
 
     class Unused:
-        async def consume(self, request, body=None):
+        async def consume(self, request, body=None, gzipped=None):
             raise AssertionError
 
     with pytest.raises(_Rejected) as rejected:

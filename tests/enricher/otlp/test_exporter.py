@@ -421,7 +421,7 @@ class PassThrough:
     def __init__(self, queue: ExportQueue) -> None:
         self.queue = queue
 
-    async def consume(self, request, body=None):
+    async def consume(self, request, body=None, gzipped=None):
         n = span_count(request)
         if not self.queue.has_capacity(n):
             return ConsumeResult(Outcome.RETRYABLE, message="export queue full", retry_after_s=1.0)

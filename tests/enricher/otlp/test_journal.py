@@ -115,3 +115,14 @@ def test_a_journal_path_that_is_a_file_is_a_clear_error(tmp_path):
     path.write_text("not a directory")
     with pytest.raises(JournalError, match="journal"):
         SpanJournal(str(path))
+
+
+def test_a_body_journaled_as_it_came_in_gzipped_is_replayed_as_its_protobuf_bytes(tmp_path):
+    import gzip
+
+    journal = SpanJournal(str(tmp_path))
+    body = b"\x0a\x00" * 500
+    journal.append(gzip.compress(body), 7, gzipped=True)
+    crash(journal)
+    again = SpanJournal(str(tmp_path))
+    assert again.recovered == [body] and again.recovered_spans == 7

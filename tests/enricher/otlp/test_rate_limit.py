@@ -24,7 +24,7 @@ class Counting:
     def __init__(self):
         self.spans = 0
 
-    async def consume(self, req, body=None):
+    async def consume(self, req, body=None, gzipped=None):
         self.spans += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
         return ACCEPTED
 

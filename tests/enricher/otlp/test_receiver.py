@@ -46,11 +46,14 @@ class RecordingConsumer:
     def __init__(self, result: ConsumeResult = ACCEPTED, error: Exception | None = None) -> None:
         self.requests: list[ExportTraceServiceRequest] = []
         self.bodies: list[bytes | None] = []  # what the receiver handed over beside each request
+        self.gzipped: list[bytes | None] = []  # and the gzip'd bytes it came in as
         self.result, self.error = result, error
 
-    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None) -> ConsumeResult:
+    async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None,
+                      gzipped: bytes | None = None) -> ConsumeResult:
         self.requests.append(request)
         self.bodies.append(body)
+        self.gzipped.append(gzipped)
         if self.error is not None:
             raise self.error
         return self.result
@@ -269,8 +272,10 @@ class TestHttpBodies:
         assert status == 200 and headers["Content-Type"].startswith(ctype)
         assert consumer.requests == [request]
         # The consumer gets the gunzipped protobuf bytes beside the message (it may read
-        # them instead, enricher/otlp/_otlpwire.c); JSON has no such bytes.
+        # them instead, enricher/otlp/_otlpwire.c) and the gzip'd ones (the journal keeps
+        # those); JSON has no such bytes.
         assert consumer.bodies == [body if ctype == PROTOBUF else None]
+        assert [gzip.decompress(g) if g else g for g in consumer.gzipped] == [body if ctype == PROTOBUF else None]
 
     def test_a_large_gzip_body_is_gunzipped_off_the_loop_intact(self):
         rng = random.Random(7)
