@@ -73,6 +73,7 @@ def report_context(summary: dict[str, Any], streams: StreamLog, faults: FaultRun
         "ground_truth": summary["ground_truth"],
         "streams": summary["streams"],
         "speculative": spec,
+        "whatif": summary.get("whatif") or {},
         "timeline": dict(sorted(timeline.items())),
         "faults": [[round(t, 6), worker, action, note] for t, worker, action, note in struck
                    if action not in ("stall", "lag_off")],

@@ -322,7 +322,31 @@ def agreement(context: dict[str, Any]) -> Chart | None:
                  _png(fig))
 
 
+def whatif(context: dict[str, Any]) -> Chart | None:
+    """What a larger pool would have kept of the tokens evicted misses lost (an estimate)."""
+    spec = context.get("whatif") or {}
+    shares = spec.get("kept_share_by_scale") or {}
+    if not spec.get("evicted_tokens") or not shares:
+        return None
+    _style()
+    fig, ax = plt.subplots(figsize=(11, 2.8))
+    scales = list(shares)
+    values = [shares[s] * 100 for s in scales]
+    ax.bar([f"{s}x" for s in scales], values, color="#5c6bc0")
+    for x, v in enumerate(values):
+        ax.annotate(f"{v:.0f} %", (x, v), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8, color=INK)
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("evicted tokens kept (%)")
+    ax.set_xlabel("pool size, as a multiple of each worker's")
+    most = spec.get("scale_keeping_most")
+    explanation = (f"Of the {spec['evicted_tokens']} prompt tokens lost to evicted misses, the share a pool of each "
+                   "size would have kept cached, from the evictions counted between each block's removal and its "
+                   "lookup (kvmiss.whatif.scale on each span). " + (f"{most}x the pool recovers most of them. "
+                   if most else "") + "A model estimate under vLLM's pool policy: it never changes a label.")
+    return Chart("whatif.png", "What a larger cache would buy (estimate)", explanation, _png(fig))
+
+
 def all_charts(rows: list[Row], context: dict[str, Any]) -> list[Chart]:
     charts = [labels_over_time(rows, context), stream_health(rows, context), latency(context),
-              divergence(rows), agreement(context)]
+              divergence(rows), agreement(context), whatif(context)]
     return [c for c in charts if c is not None]

@@ -176,6 +176,7 @@ def render_html(rows: list[Row], context: dict[str, Any], charts: list[Chart]) -
         _section(by_name.get("route_to_stored_latency.png")),
         _section(by_name.get("divergence.png")),
         _section(by_name.get("ground_truth.png"), _truth_table(context)),
+        _section(by_name.get("whatif.png")),
         ("<section><h2>What to do about each miss</h2><table>" + todo + "</table></section>"
          if todo else ""),
         ("<section><h2>Injected faults</h2><ul>" + "".join(

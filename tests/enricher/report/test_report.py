@@ -132,13 +132,16 @@ def test_context_adds_stream_latency_and_ground_truth_sections(spans_file, tmp_p
         "fault_notes": [[T0 + 0.2, "w0: batches lost"]],
         "speculative": {"p50_ms": 1.0, "p95_ms": 4.0, "p99_ms": 9.0, "confirmed": 50,
                         "expired": 2, "ttl_s": 2.0, "samples_ms": [0.5 + i / 10 for i in range(90)]},
+        "whatif": {"evicted_tokens": 416, "scale_keeping_most": "1.5",
+                   "kept_share_by_scale": {"1.25": 0.38, "1.5": 0.62, "2": 0.62, "4": 1.0, "8": 1.0}},
     }
     path = tmp_path / "context.json"
     path.write_text(json.dumps(context))
     out = tmp_path / "with-context"
     assert main(["report", "--spans", str(spans_file), "--context", str(path), "--out", str(out)]) == 0
     html = check_report(out, {label.value for label in Label})
-    assert {"route_to_stored_latency.png", "ground_truth.png"} <= {p.name for p in out.glob("*.png")}
+    assert {"route_to_stored_latency.png", "ground_truth.png", "whatif.png"} <= {p.name for p in out.glob("*.png")}
+    assert "What a larger cache would buy" in html and "1.5x the pool recovers most" in html
     assert "a test fleet" in html and "within" in html and "Wrong verdicts: 0" in html
     assert "w0: batches lost" in html
 
