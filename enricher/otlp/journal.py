@@ -115,7 +115,7 @@ class SpanJournal:
         self._recover()
         self._fd = -1
         self._current = -1
-        self._open_segment(max(self._segments, default=-1) + 1)
+        self._open_segment()
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -158,10 +158,14 @@ class SpanJournal:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def _open_segment(self, number: int) -> None:
-        number = max(number, self._segments_seen + 1)
-        self._segments_seen = number
+    def _open_segment(self) -> None:
+        """Start the next segment file (numbers never reused, the previous run's included)."""
+        number = self._segments_seen = self._segments_seen + 1
         if self._fd >= 0:
+            try:
+                os.fsync(self._fd)  # bodies still waiting in `durable` were written here
+            except OSError as exc:
+                log.error("journal fsync failed: %s", exc.strerror)
             os.close(self._fd)
             previous = self._segments.get(self._current)
             if previous is not None and previous.live <= 0:  # everything in it is done already
@@ -190,12 +194,13 @@ class SpanJournal:
         segment.live += 1
         segment.live_bytes += size
         self._where[rid] = (self._current, size)
-        if segment.bytes >= self.segment_bytes:
-            self._open_segment(self._current + 1)
         return rid
 
     def _write(self, kind: bytes, payload: bytes, body: bytes = b"") -> int:
-        """One record, as one ``writev`` of its parts (the body is never copied)."""
+        """One record, as one ``writev`` of its parts (the body is never copied), in the
+        current segment, or a new one when the current has reached ``segment_bytes``."""
+        if self._segments[self._current].bytes >= self.segment_bytes:
+            self._open_segment()
         crc = zlib.crc32(body, zlib.crc32(payload, zlib.crc32(kind)))
         parts = [_HEAD.pack(kind, len(payload) + len(body), crc), payload, body]
         size = total = sum(map(len, parts))
@@ -252,8 +257,6 @@ class SpanJournal:
             return
         number, size = where
         self._write(DONE, _DONE.pack(rid))
-        if self._segments[self._current].bytes >= self.segment_bytes:
-            self._open_segment(self._current + 1)
         segment = self._segments.get(number)
         if segment is None:
             return

@@ -261,14 +261,15 @@ class Service:
         journal = self.journal
         if journal is None:
             return await self.pipeline.consume(request, body)
+        spans = span_count(request)
         if journal.full():
             journal.refused_full += 1
-            self.pipeline.stats.spans_refused += span_count(request)
+            self.pipeline.stats.spans_refused += spans
             return ConsumeResult(Outcome.RETRYABLE, message="kvmiss journal is full", retry_after_s=1.0)
         if gzipped is not None:  # a third of the bytes to write and sync
-            rid = journal.append(gzipped, span_count(request), gzipped=True)
+            rid = journal.append(gzipped, spans, gzipped=True)
         else:
-            rid = journal.append(body if body is not None else request.SerializeToString(), span_count(request))
+            rid = journal.append(body if body is not None else request.SerializeToString(), spans)
         result = await self.pipeline.consume(request, body, tag=rid)
         if result.outcome is not Outcome.ACCEPTED:
             journal.done(rid)  # refused: the sender keeps it
@@ -290,14 +291,12 @@ class Service:
             except Exception:  # noqa: BLE001 - written by this code; a damaged body is skipped, counted
                 journal.torn_records += 1
                 continue
-            spans = span_count(request)
+            rid = journal.append(body, span_count(request))
             while True:
                 self.drain()
-                rid = journal.append(body, spans)
                 result = await self.pipeline.consume(request, body, tag=rid)
                 if result.outcome is Outcome.ACCEPTED:
                     break
-                journal.done(rid)
                 await asyncio.sleep(0.05)  # the pipeline is full: let the tick release some
         await journal.durable()
         journal.forget_recovered()
