@@ -101,9 +101,14 @@ def _run_group(args: argparse.Namespace) -> int:
             command += [flag, value]
     children = [subprocess.Popen(command + ["--process-index", str(i)]) for i in range(args.processes)]
 
+    signalled: set[int] = set()
+
     def stop(*_):
+        # Once per child: a second SIGTERM could arrive after its loop removed the handler
+        # (while it flushes) and kill it mid-flush.
         for child in children:
-            if child.poll() is None:
+            if child.poll() is None and child.pid not in signalled:
+                signalled.add(child.pid)
                 child.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
