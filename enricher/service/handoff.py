@@ -26,6 +26,7 @@ class IndexFeed:
         self.clock = clock
         self._queue: collections.deque[Apply | tuple[str, TailConfirmed]] = collections.deque()
         self._last_prune = clock()
+        self.applied = 0  # batches applied to the index so far
 
     def put(self, worker: str, action: StreamAction) -> bool:
         """Queue what the index needs; False for a stream fact it does not (log it)."""
@@ -48,6 +49,7 @@ class IndexFeed:
             item = queue.popleft()
             if isinstance(item, Apply):
                 index.apply(item.batch)
+                self.applied += 1
             else:
                 worker, tail = item
                 index.confirm_tail(worker, tail.epoch, tail.seq, tail.at)

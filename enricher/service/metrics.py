@@ -47,6 +47,7 @@ class KvmissCollector(Collector):
         clock_bounds: tuple[float, float] | None = None,
         intake: Callable[[], Mapping[str, int]] = dict,
         endpoint: Callable[[], Mapping[str, int]] = dict,
+        index_feed: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ):
         self.stats = stats
         self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
@@ -54,6 +55,7 @@ class KvmissCollector(Collector):
         self.exports = exports  # the service's ExportQueues
         self.intake = intake  # the OTLP receivers' counters and gauges (receiver.Receivers)
         self.endpoint = endpoint  # the metrics listener's own counters (listener.HttpListener)
+        self.index_feed = index_feed  # (batches applied to the index, batches waiting to be)
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
 
@@ -63,6 +65,7 @@ class KvmissCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._verdicts()
         yield from self._streams()
+        yield from self._index()
         yield from self._spans()
         yield from self._exports()
         yield from self._endpoint()
@@ -176,6 +179,17 @@ class KvmissCollector(Collector):
             fams["tail_recoveries"].add_metric([worker], h.tail_recoveries)
             fams["tail_unanswered"].add_metric([worker], h.tail_probes_unanswered)
         yield from fams.values()
+
+    def _index(self) -> Iterator[Metric]:
+        """The collector-to-index hand-over: a stream's batch counts as applied when the
+        collector thread passes it on; these say when the index itself took it."""
+        applied, pending = self.index_feed()
+        done = CounterMetricFamily("kvmiss_index_batches_applied", "Batches the residency index has applied, all workers.")
+        done.add_metric([], applied)
+        waiting = GaugeMetricFamily("kvmiss_index_batches_pending",
+                                    "Batches handed over by the collector and not yet applied to the index.")
+        waiting.add_metric([], pending)
+        yield from (done, waiting)
 
     def _spans(self) -> Iterator[Metric]:
         s = self.stats

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from kvmiss.collectors.continuity import StreamAction, StreamConfig
 from kvmiss.collectors.fleet import Fleet
+from kvmiss.collectors.frames import READER_COMPILED
 from kvmiss.collectors.subscriber import Subscriber
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError
@@ -124,6 +125,10 @@ class Service:
                         "enricher/otlp/_otlpwire.c was not built (no C compiler at install time, or "
                         "KVMISS_PURE_PYTHON_OTLP=1): several us more CPU per span (benchmarks/RESULTS.md). Reinstall kvmiss "
                         "with a C compiler present. !!!")
+        if not READER_COMPILED:
+            log.warning("!!! KV-event batches are decoded by the reference decoder only: collectors/_kvwire.c "
+                        "was not built (no C compiler at install time, or KVMISS_PURE_PYTHON_INGEST=1): about "
+                        "twice the CPU per event (benchmarks/RESULTS.md). Reinstall kvmiss with a C compiler present. !!!")
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there
         self.registry = CollectorRegistry()
         self.health = HealthEndpoint(self.registry, self.ready)  # /metrics, /healthz, /readyz
@@ -132,7 +137,7 @@ class Service:
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
             exports=lambda: self.queues, clock_bounds=self.clock_bounds,
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
-            endpoint=self.health.counts))
+            endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed))))
         self._ticker: asyncio.Task | None = None
         self._stopping = False
 
