@@ -16,10 +16,19 @@ by one bad message.
 from __future__ import annotations
 
 import enum
+import os
 
 import msgspec
 
-from kvmiss.schemas.events import EventBatch, WireError, decode_batch
+from kvmiss.schemas.events import AllBlocksCleared, EventBatch, KVEvent, WireError, decode_batch
+
+try:  # the batch reader in C (collectors/_kvwire.c); decode_batch stays the rule
+    if os.environ.get("KVMISS_PURE_PYTHON_INGEST") == "1":  # to rule the compiled path in or out
+        raise ImportError("KVMISS_PURE_PYTHON_INGEST=1")
+    from kvmiss.collectors._kvwire import EncodedEvents, scan_batch
+except ImportError:
+    EncodedEvents = scan_batch = None  # type: ignore[assignment,misc]
+READER_COMPILED = scan_batch is not None
 
 END_SEQ_BYTES = b"\xff" * 8
 
@@ -38,8 +47,26 @@ class BatchMessage(msgspec.Struct, frozen=True):
     payload: bytes
 
     def decode(self) -> EventBatch:
-        """The batch's events; raises `WireError` naming the bad field."""
-        return decode_batch(self.payload)
+        """The batch's events; raises `WireError` naming the bad field.
+
+        With the compiled reader, a payload of the current wire form comes back with its
+        events as `EncodedEvents` (a sequence of the same Structs, decoded on first use,
+        that the index applies without them); anything else goes through `decode_batch`."""
+        payload = self.payload
+        if scan_batch is not None and payload.__class__ is bytes:
+            scanned = scan_batch(payload)
+            if scanned is not None:
+                ts, dp_rank, events = scanned
+                return EventBatch(ts=ts, events=events, dp_rank=dp_rank)
+        return decode_batch(payload)
+
+
+def has_clear(events: list[KVEvent]) -> bool:
+    """Whether an AllBlocksCleared is among a decoded batch's events (read without decoding
+    them when the compiled reader read the batch)."""
+    if events.__class__ is EncodedEvents:
+        return events.has_clear  # type: ignore[attr-defined]
+    return AllBlocksCleared in map(type, events)  # (C-speed scan)
 
 
 class ReplayEnd(msgspec.Struct, frozen=True):
@@ -139,6 +166,7 @@ __all__ = [
     "ReplayEnd",
     "WireError",
     "encode_replay_request",
+    "has_clear",
     "parse_any",
     "parse_live",
     "parse_replay",

@@ -14,6 +14,7 @@ given, to the recording first. Sink calls happen on this thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -27,6 +28,24 @@ from kvmiss.collectors.frames import encode_replay_request
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
 
 log = logging.getLogger("kvmiss.collectors")
+
+def _compiled_receiver() -> Callable[[int, int], list[list[bytes]]] | None:
+    """collectors/_kvwire.c's `recv_messages`, bound to the libzmq pyzmq loaded (found in
+    /proc/self/maps); None where that cannot be done (no compiled module, not Linux, a
+    libzmq without the calls, KVMISS_PURE_PYTHON_INGEST=1): pyzmq's recv_multipart then."""
+    if os.environ.get("KVMISS_PURE_PYTHON_INGEST") == "1":
+        return None
+    try:
+        from kvmiss.collectors import _kvwire
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libzmq" in line}
+    except (ImportError, OSError):
+        return None
+    for path in sorted(p for p in paths if p.startswith("/")):
+        if _kvwire.bind_libzmq(path):
+            return _kvwire.recv_messages
+    return None
+
 
 # Bounded draining keeps one busy worker from starving the others and the timers.
 MAX_MESSAGES_PER_SOCKET = 256
@@ -61,6 +80,7 @@ class Subscriber:
                                              SOCKETS_PER_WORKER * len(fleet.specs) + 64))
         self._ctx = context
         self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
+        self._recv_messages = _compiled_receiver()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
@@ -187,6 +207,17 @@ class Subscriber:
 
     def _drain(self, sock: zmq.Socket) -> None:
         role, worker, request_id = self._roles[sock]
+        if role != MONITOR and self._recv_messages is not None:
+            try:
+                messages = self._recv_messages(sock.underlying, MAX_MESSAGES_PER_SOCKET)
+            except OSError:  # let pyzmq raise (or handle) the same failure, worded its way
+                messages = None
+            if messages is not None:
+                for frames in messages:
+                    self._deliver(sock, worker, role, frames, request_id)
+                    if sock not in self._roles:  # a replay request replaced this dealer
+                        return
+                return
         for _ in range(MAX_MESSAGES_PER_SOCKET):
             try:
                 if role == MONITOR:
@@ -197,13 +228,17 @@ class Subscriber:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            now = self.clock()
-            if self.recorder is not None:
-                self.recorder.write(RecordedMessage(now, worker, role, frames, request_id))
-            for replay in self.fleet.on_message(worker, role, frames, now, request_id):
-                self._send_replay(worker, replay)
+            self._deliver(sock, worker, role, frames, request_id)
             if sock not in self._roles:  # a replay request replaced this dealer
                 return
+
+    def _deliver(self, sock: zmq.Socket, worker: str, role: str, frames: list[bytes],
+                 request_id: int | None) -> None:
+        now = self.clock()
+        if self.recorder is not None:
+            self.recorder.write(RecordedMessage(now, worker, role, frames, request_id))
+        for replay in self.fleet.on_message(worker, role, frames, now, request_id):
+            self._send_replay(worker, replay)
 
     def _monitor_fact(self, worker: str, event: dict) -> list[bytes] | None:
         kind = event["event"]

@@ -127,6 +127,7 @@ def _check(config) -> int:
     from kvmiss.enricher.core.privacy import DigestKeyError, load_digest_key
     from kvmiss.enricher.core.residency_table import ACCELERATED
     from kvmiss.enricher.otlp.spans import WIRE_SCAN
+    from kvmiss.collectors.frames import READER_COMPILED
 
     privacy = config.privacy
     if privacy.digest_key or privacy.digest_key_env:
@@ -156,6 +157,7 @@ def _check(config) -> int:
         f"protobuf backend: {api_implementation.Type()}",
         f"residency table: {'compiled' if ACCELERATED else 'pure-Python reference model (slow)'}",
         f"OTLP wire path: {'compiled' if WIRE_SCAN else 'parsed messages only (slower)'}",
+        f"KV-event reader: {'compiled' if READER_COMPILED else 'reference decoder only (slower)'}",
         "configuration OK",
     ]
     print("\n".join(lines))

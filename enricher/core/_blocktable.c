@@ -33,6 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../../collectors/_kvwire.h" /* EncodedEvents: a batch read in C, applied without Structs */
+
 #define SEQ_BITS 40
 #define SEQ_MASK ((UINT64_C(1) << SEQ_BITS) - 1)
 #define CLEAR_BIT (UINT64_C(1) << SEQ_BITS)
@@ -290,6 +292,59 @@ bad:
 
 /* --- methods ---------------------------------------------------------------------------- */
 
+/* One block of a BlockStored: 1 when it already had a live copy stored in the same batch
+ * (a same-step copy), 0 otherwise, -1 with an exception set. */
+static inline int store_key(BlockTable *t, uint64_t key, uint64_t seq) {
+    if (reserve_one(t) < 0)
+        return -1;
+    int found;
+    size_t i = probe(t, key, &found);
+    if (!found) {
+        t->slots[i].key = key;
+        t->slots[i].stored = REFS_ONE | seq;
+        t->len++;
+        return 0;
+    }
+    if (t->slots[i].removed == 0) { /* another live copy */
+        if ((t->slots[i].stored >> SEQ_BITS) < REFS_MAX)
+            t->slots[i].stored += REFS_ONE;
+        return (t->slots[i].stored & SEQ_MASK) == seq;
+    }
+    /* stored again after its removal */
+    if (push_current(t, i) < 0)
+        return -1;
+    t->slots[i].stored = REFS_ONE | seq;
+    t->slots[i].removed = 0;
+    return 0;
+}
+
+/* One block of a BlockRemoved: 1 when its interval closed, 0 when a copy is left, -1 with
+ * an exception set. */
+static inline int remove_key(BlockTable *t, uint64_t key, uint64_t seq, double ts) {
+    if (reserve_one(t) < 0)
+        return -1;
+    int found;
+    size_t i = probe(t, key, &found);
+    if (!found) { /* stored before our history began */
+        t->slots[i].key = key;
+        t->slots[i].stored = 0;
+        t->slots[i].removed = seq;
+        t->len++;
+    } else if (t->slots[i].removed != 0) { /* removed again: its store predates our history */
+        if (push_current(t, i) < 0)
+            return -1;
+        t->slots[i].stored = 0;
+        t->slots[i].removed = seq;
+    } else if ((t->slots[i].stored >> SEQ_BITS) > 1) {
+        t->slots[i].stored -= REFS_ONE;
+        return 0;
+    } else {
+        t->slots[i].stored &= SEQ_MASK;
+        t->slots[i].removed = seq;
+    }
+    return ring_push(t, ts, key) < 0 ? -1 : 1;
+}
+
 /* One BlockStored: `*same_step` collects hashes that already had a live copy stored in the
  * same batch (created on the first). 0 on success, -1 with an exception set. */
 static int table_store(BlockTable *t, PyObject *hashes, uint64_t seq, PyObject **same_step) {
@@ -300,32 +355,15 @@ static int table_store(BlockTable *t, PyObject *hashes, uint64_t seq, PyObject *
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
         uint64_t key;
-        if (key_of(items[k], &key) < 0 || reserve_one(t) < 0)
+        int copy;
+        if (key_of(items[k], &key) < 0 || (copy = store_key(t, key, seq)) < 0)
             goto fail;
-        int found;
-        size_t i = probe(t, key, &found);
-        if (!found) {
-            t->slots[i].key = key;
-            t->slots[i].stored = REFS_ONE | seq;
-            t->len++;
-            continue;
+        if (copy) {
+            if (!*same_step && !(*same_step = PyList_New(0)))
+                goto fail;
+            if (PyList_Append(*same_step, items[k]) < 0)
+                goto fail;
         }
-        if (t->slots[i].removed == 0) { /* another live copy */
-            if ((t->slots[i].stored >> SEQ_BITS) < REFS_MAX)
-                t->slots[i].stored += REFS_ONE;
-            if ((t->slots[i].stored & SEQ_MASK) == seq) {
-                if (!*same_step && !(*same_step = PyList_New(0)))
-                    goto fail;
-                if (PyList_Append(*same_step, items[k]) < 0)
-                    goto fail;
-            }
-            continue;
-        }
-        /* stored again after its removal */
-        if (push_current(t, i) < 0)
-            goto fail;
-        t->slots[i].stored = REFS_ONE | seq;
-        t->slots[i].removed = 0;
     }
     Py_DECREF(fast);
     return 0;
@@ -343,36 +381,15 @@ static Py_ssize_t table_remove(BlockTable *t, PyObject *hashes, uint64_t seq, do
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
         uint64_t key;
-        if (key_of(items[k], &key) < 0 || reserve_one(t) < 0)
-            goto fail;
-        int found;
-        size_t i = probe(t, key, &found);
-        if (!found) { /* stored before our history began */
-            t->slots[i].key = key;
-            t->slots[i].stored = 0;
-            t->slots[i].removed = seq;
-            t->len++;
-        } else if (t->slots[i].removed != 0) { /* removed again: its store predates our history */
-            if (push_current(t, i) < 0)
-                goto fail;
-            t->slots[i].stored = 0;
-            t->slots[i].removed = seq;
-        } else if ((t->slots[i].stored >> SEQ_BITS) > 1) {
-            t->slots[i].stored -= REFS_ONE;
-            continue;
-        } else {
-            t->slots[i].stored &= SEQ_MASK;
-            t->slots[i].removed = seq;
+        int done;
+        if (key_of(items[k], &key) < 0 || (done = remove_key(t, key, seq, ts)) < 0) {
+            Py_DECREF(fast);
+            return -1;
         }
-        if (ring_push(t, ts, key) < 0)
-            goto fail;
-        closed++;
+        closed += done;
     }
     Py_DECREF(fast);
     return closed;
-fail:
-    Py_DECREF(fast);
-    return -1;
 }
 
 PyDoc_STRVAR(store_doc,
@@ -797,6 +814,25 @@ static inline PyObject *field(PyObject *obj, Py_ssize_t offset, PyObject *name) 
     return PyObject_GetAttr(obj, name);
 }
 
+/* kvmiss.collectors._kvwire.EncodedEvents, looked up when the first Applier is made; NULL
+ * when that module is not built (every batch then arrives as Structs). */
+static PyTypeObject *encoded_type;
+static int encoded_type_looked_up;
+
+static void look_up_encoded_type(void) {
+    if (encoded_type_looked_up)
+        return;
+    encoded_type_looked_up = 1;
+    PyObject *mod = PyImport_ImportModule("kvmiss.collectors._kvwire");
+    PyObject *type = mod ? PyObject_GetAttrString(mod, "EncodedEvents") : NULL;
+    Py_XDECREF(mod);
+    if (type && PyType_Check(type) && ((PyTypeObject *)type)->tp_basicsize == sizeof(KvEncodedEvents))
+        encoded_type = (PyTypeObject *)type; /* kept for the process's life */
+    else
+        Py_XDECREF(type);
+    PyErr_Clear();
+}
+
 static PyObject *Applier_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tables", "same_step", "stored_type", "removed_type", "note", NULL};
     PyObject *tables, *same_step, *stored_type, *removed_type, *note = Py_None;
@@ -818,6 +854,7 @@ static PyObject *Applier_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     a->note = note;
     find_offsets(stored_type, &a->stored_at);
     find_offsets(removed_type, &a->removed_at);
+    look_up_encoded_type();
     return (PyObject *)a;
 }
 
@@ -882,12 +919,101 @@ static void prefetch_batch(Applier *a, BlockTable *t, PyObject **items, Py_ssize
     }
 }
 
+/* Take the (gpu_group0, table) entry of the next events' place: the table, its flag, the
+ * batch's seq relative to it. 0, or -1 with an exception set. */
+static int enter_table(Applier *a, PyObject *entry, PyObject *seq_obj, BlockTable **t, int *gpu_group0,
+                       uint64_t *seq) {
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2
+        || Py_TYPE(PyTuple_GET_ITEM(entry, 1)) != &BlockTableType) {
+        PyErr_SetString(PyExc_TypeError, "tables values must be (bool, BlockTable)");
+        return -1;
+    }
+    *gpu_group0 = PyTuple_GET_ITEM(entry, 0) == Py_True;
+    *t = (BlockTable *)PyTuple_GET_ITEM(entry, 1);
+    if ((PyObject *)*t != a->recent) {
+        Py_INCREF(*t);
+        Py_XSETREF(a->recent, (PyObject *)*t);
+    }
+    return rel_seq(*t, seq_obj, seq);
+}
+
+/* Applier_call for events read by _kvwire.scan_batch: the same loop over packed events. */
+static PyObject *apply_encoded(Applier *a, KvEncodedEvents *e, PyObject *seq_obj, double ts, Py_ssize_t start) {
+    Py_ssize_t n = e->n_events, k;
+    BlockTable *t = NULL;
+    int gpu_group0 = 0, last_medium = -1, last_none = 0;
+    int64_t last_group = 0;
+    uint64_t seq = 0;
+    if (a->recent) {
+        BlockTable *r = (BlockTable *)a->recent;
+        for (Py_ssize_t j = start < n ? e->events[start].first : e->n_hashes; j < e->n_hashes; j++) {
+            const char *slot = (const char *)&r->slots[home_of(e->hashes[j], r->cap)];
+            __builtin_prefetch(slot);
+            __builtin_prefetch(slot + sizeof(Slot) - 1);
+        }
+    }
+    for (k = start; k < n; k++) {
+        const KvPackedEvent *ev = &e->events[k];
+        if (ev->kind == KV_CLEARED)
+            break;
+        if (!t || ev->medium != last_medium || ev->group_none != last_none || (!ev->group_none && ev->group != last_group)) {
+            PyObject *group = ev->group_none ? Py_NewRef(Py_None) : PyLong_FromLongLong(ev->group);
+            if (!group)
+                return NULL;
+            PyObject *entry = entry_of(a, PyTuple_GET_ITEM(e->media, ev->medium), group);
+            Py_DECREF(group);
+            last_medium = ev->medium;
+            last_none = ev->group_none;
+            last_group = ev->group;
+            if (!entry) {
+                if (PyErr_Occurred())
+                    return NULL;
+                break; /* no table yet: the view creates it */
+            }
+            if (enter_table(a, entry, seq_obj, &t, &gpu_group0, &seq) < 0)
+                return NULL;
+        }
+        const uint64_t *keys = e->hashes + ev->first;
+        if (ev->kind == KV_STORED) {
+            if (gpu_group0 && a->note != Py_None) {
+                PyObject *event = PySequence_GetItem((PyObject *)e, k);
+                PyObject *r = event ? PyObject_CallFunctionObjArgs(a->note, event, seq_obj, NULL) : NULL;
+                Py_XDECREF(event);
+                if (!r)
+                    return NULL;
+                Py_DECREF(r);
+            }
+            for (uint32_t j = 0; j < ev->n_hashes; j++) {
+                int copy = store_key(t, keys[j], seq);
+                if (copy < 0)
+                    return NULL;
+                if (copy && gpu_group0) {
+                    PyObject *key = PyLong_FromUnsignedLongLong(keys[j]);
+                    int failed = !key || PyDict_SetItem(a->same_step, key, seq_obj) < 0;
+                    Py_XDECREF(key);
+                    if (failed)
+                        return NULL;
+                }
+            }
+        } else {
+            for (uint32_t j = 0; j < ev->n_hashes; j++)
+                if (remove_key(t, keys[j], seq, ts) < 0)
+                    return NULL;
+            if (gpu_group0)
+                a->gpu_removed += ev->n_hashes;
+        }
+    }
+    return PyLong_FromSsize_t(k);
+}
+
 static PyObject *Applier_call(Applier *a, PyObject *args, PyObject *kwds) {
     PyObject *events, *seq_obj;
     double ts;
     Py_ssize_t start = 0;
     if (!PyArg_ParseTuple(args, "OOd|n", &events, &seq_obj, &ts, &start))
         return NULL;
+    if (encoded_type && Py_IS_TYPE(events, encoded_type))
+        return apply_encoded(a, (KvEncodedEvents *)events, seq_obj, ts, start);
     PyObject *fast = PySequence_Fast(events, "events must be a sequence");
     if (!fast)
         return NULL;
@@ -923,18 +1049,7 @@ static PyObject *Applier_call(Applier *a, PyObject *args, PyObject *kwds) {
                     goto fail;
                 break; /* no table yet: the view creates it */
             }
-            if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2
-                || Py_TYPE(PyTuple_GET_ITEM(entry, 1)) != &BlockTableType) {
-                PyErr_SetString(PyExc_TypeError, "tables values must be (bool, BlockTable)");
-                goto fail;
-            }
-            gpu_group0 = PyTuple_GET_ITEM(entry, 0) == Py_True;
-            t = (BlockTable *)PyTuple_GET_ITEM(entry, 1);
-            if ((PyObject *)t != a->recent) {
-                Py_INCREF(t);
-                Py_XSETREF(a->recent, (PyObject *)t);
-            }
-            if (rel_seq(t, seq_obj, &seq) < 0)
+            if (enter_table(a, entry, seq_obj, &t, &gpu_group0, &seq) < 0)
                 goto fail;
         } else {
             Py_DECREF(medium);

@@ -148,26 +148,34 @@ def _event(kind: str, hashes: list[int], medium: str | None, group: int | None):
     st.sampled_from([None, 0, 1])), max_size=8), max_size=25))
 def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches):
     """EpochView's compiled applier (any mix of media, groups and mid-batch clears) against
-    its own Python loop over the same tables."""
+    its own Python loop over the same tables -- fed the event Structs, and fed the packed
+    events collectors/_kvwire.c reads from the same batch's payload."""
+    import msgspec
+
+    from kvmiss.collectors._kvwire import scan_batch
     from kvmiss.enricher.core.index import EpochView
+    from kvmiss.schemas.events import EventBatch
     from kvmiss.schemas.stream import AppliedBatch, RunStart
 
-    fast, slow = EpochView("w", 0, None), EpochView("w", 0, None)
+    fast, slow, packed = EpochView("w", 0, None), EpochView("w", 0, None), EpochView("w", 0, None)
     slow._applier = None
     for seq, spec in enumerate(batches, start=5):
         events = [_event(*e) for e in spec]
-        for view in (fast, slow):
+        scanned = scan_batch(msgspec.msgpack.encode(EventBatch(float(seq), events, 0)))
+        assert scanned is not None
+        for view, given_events in ((fast, list(events)), (slow, list(events)), (packed, scanned[2])):
             view.apply(AppliedBatch(worker="w", epoch=0, seq=seq, ts=float(seq), recv_ts=float(seq),
-                                    events=list(events), run_start_seq=5, run_start=RunStart.EPOCH_START))
-    assert fast.same_step_copies == slow.same_step_copies
-    assert fast.log_removed == slow.log_removed  # evictions counted alike (what-if sizing)
-    assert set(fast.media) == set(slow.media) and set(fast.group_media) == set(slow.group_media)
-    pairs = [(fast.media[m], slow.media[m]) for m in fast.media]
-    pairs += [(fast.group_media[k], slow.group_media[k]) for k in fast.group_media]
-    for a, b in pairs:
-        assert len(a) == len(b) and a.retained == b.retained
-        for h in SMALL_POOL:
-            assert a.chain(h) == b.chain(h) and a.copies(h) == b.copies(h)
+                                    events=given_events, run_start_seq=5, run_start=RunStart.EPOCH_START))
+    for other in (fast, packed):
+        assert other.same_step_copies == slow.same_step_copies
+        assert other.log_removed == slow.log_removed  # evictions counted alike (what-if sizing)
+        assert set(other.media) == set(slow.media) and set(other.group_media) == set(slow.group_media)
+        pairs = [(other.media[m], slow.media[m]) for m in other.media]
+        pairs += [(other.group_media[k], slow.group_media[k]) for k in other.group_media]
+        for a, b in pairs:
+            assert len(a) == len(b) and a.retained == b.retained
+            for h in SMALL_POOL:
+                assert a.chain(h) == b.chain(h) and a.copies(h) == b.copies(h)
 
 
 @compiled
