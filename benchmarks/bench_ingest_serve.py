@@ -36,6 +36,8 @@ from bench_ingest import build_frames
 from benchlib import free_port, process_cpu_s, rss_mb
 
 _APPLIED = re.compile(rb"^kvmiss_index_batches_applied_total ([0-9.e+]+)$", re.M)
+# kvmiss before f260867 has no index counter: the stream's (advanced on the collector thread)
+_STREAM_APPLIED = re.compile(rb'^kvmiss_stream_batches_applied_total\{[^}]*\} ([0-9.e+]+)$', re.M)
 
 
 def publisher_main(conn, endpoint: str, n_batches: int) -> None:
@@ -66,7 +68,9 @@ def publisher_main(conn, endpoint: str, n_batches: int) -> None:
 def scrape_applied(port: int) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     m = _APPLIED.search(body)
-    return float(m.group(1)) if m else 0.0
+    if m:
+        return float(m.group(1))
+    return sum(float(v) for v in _STREAM_APPLIED.findall(body))
 
 
 def scraper(port: int, hz: float, stop: threading.Event, count: list[int]) -> None:
@@ -93,7 +97,7 @@ def run_once(args) -> dict:
                       f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n'
                       f'[[workers]]\nid = "w0"\nendpoint = "tcp://127.0.0.1:{pub_port}"\n')
     log = open(work / "serve.log", "wb")
-    serve = subprocess.Popen([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config),
+    serve = subprocess.Popen([args.kvmiss_python, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config),
                               "--log-level", "WARNING"], stdout=log, stderr=log)
     stop, scrapes = threading.Event(), [0]
     try:
@@ -153,7 +157,8 @@ def run_once(args) -> dict:
             "applied_batches_s": round(batches_s), "applied_events_s": round(batches_s * per_batch),
             "kvmiss_cores": round((hi[2] - lo[2]) / (hi[0] - lo[0]), 2),
             "kvmiss_cpu_ms_per_1k_events": round(cpu_per_1k_events_ms, 3),
-            "scrape_hz": args.scrape_hz, "scrapes": scrapes[0], "kvmiss_rss_mb": round(rss, 1)}
+            "kvmiss_capacity_events_per_core_s": round(1e6 / cpu_per_1k_events_ms) if cpu_per_1k_events_ms else None,
+            "kvmiss_python": args.kvmiss_python, "scrape_hz": args.scrape_hz, "scrapes": scrapes[0], "kvmiss_rss_mb": round(rss, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scrape-hz", type=float, default=0.0, help="scrape /metrics this often meanwhile")
     parser.add_argument("--sample-hz", type=float, default=10.0, help="how often the applied count is read")
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--kvmiss-python", default=sys.executable,
+                        help="run kvmiss serve with this interpreter (another venv: an A/B of two builds)")
     parser.add_argument("--py-spy", metavar="PATH", help="record kvmiss serve with this py-spy (collapsed stacks)")
     args = parser.parse_args(argv)
     print(f"kvmiss commit {_commit()}, {os.cpu_count()} cores", flush=True)
