@@ -36,9 +36,11 @@
  * or faster). A denser table (0.875 maximum load, grown by 1.33x: 18-24 bytes) stored and
  * removed 5-60% slower over three alternating runs, for bytes the target does not need.
  *
- * `ring` is the retention queue: (engine ts, key) of every interval that closed, in apply
- * order; `prune` drops closed intervals older than a horizon and returns their keys so that
- * the caller can remember them in its no-false-negative filter.
+ * `ring` is the retention queue: the key of every interval that closed, in apply order, with
+ * the engine ts of each run of consecutive closes at one ts in `runs` (a batch's evictions,
+ * a clear): 8 bytes a record plus 12 a run. `prune` drops closed intervals older than a
+ * horizon and returns their keys so that the caller can remember them in its
+ * no-false-negative filter.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -75,10 +77,11 @@ typedef struct {
     uint64_t word;
 } Slot;
 
-typedef struct {
+/* The engine ts of `n` consecutive entries of the retention queue. */
+typedef struct __attribute__((packed)) {
     double ts;
-    uint64_t key;
-} Closed;
+    uint32_t n;
+} Run;
 
 typedef struct {
     PyObject_HEAD
@@ -91,8 +94,10 @@ typedef struct {
     uint32_t *arena_prev;
     uint32_t arena_len, arena_cap, arena_free; /* free: index + 1 of the first free entry */
     size_t arena_live, linked;                 /* linked: slots whose word is a link */
-    Closed *ring;
+    uint64_t *ring;                            /* keys of closed intervals, oldest first */
     size_t ring_head, ring_len, ring_cap;
+    Run *runs;                                 /* their engine ts, run-length encoded */
+    size_t run_head, run_len, run_cap;
 } BlockTable;
 
 /* --- interval words ----------------------------------------------------------------------- */
@@ -285,24 +290,63 @@ static int push_behind(BlockTable *t, size_t i, uint64_t iv) {
 
 /* --- retention queue -------------------------------------------------------------------- */
 
-static int ring_push(BlockTable *t, double ts, uint64_t key) {
-    if (t->ring_len == t->ring_cap) {
-        size_t cap = t->ring_cap ? t->ring_cap * 2 : 256;
-        Closed *grown = PyMem_Malloc(cap * sizeof(Closed));
-        if (!grown) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (size_t k = 0; k < t->ring_len; k++)
-            grown[k] = t->ring[(t->ring_head + k) % t->ring_cap];
-        PyMem_Free(t->ring);
-        t->ring = grown;
-        t->ring_head = 0;
-        t->ring_cap = cap;
+/* A full circular buffer of `*cap` items of `size` bytes from `*head`, copied in order into
+ * one 1.5x larger (`first` items when empty); NULL with an exception set. */
+static void *ring_grow(void *buf, size_t *head, size_t *cap, size_t size, size_t first) {
+    size_t grown_cap = *cap ? *cap + *cap / 2 : first;
+    char *grown = PyMem_Malloc(grown_cap * size);
+    if (!grown) {
+        PyErr_NoMemory();
+        return NULL;
     }
-    t->ring[(t->ring_head + t->ring_len) % t->ring_cap] = (Closed){ts, key};
-    t->ring_len++;
+    if (*cap) {
+        memcpy(grown, (char *)buf + *head * size, (*cap - *head) * size);
+        memcpy(grown + (*cap - *head) * size, buf, *head * size);
+    }
+    PyMem_Free(buf);
+    *head = 0;
+    *cap = grown_cap;
+    return grown;
+}
+
+static inline size_t ring_at(size_t head, size_t k, size_t cap) {
+    size_t at = head + k;
+    return at >= cap ? at - cap : at;
+}
+
+static int ring_push(BlockTable *t, double ts, uint64_t key) {
+    size_t last = t->run_len ? ring_at(t->run_head, t->run_len - 1, t->run_cap) : 0;
+    int same_run = t->run_len && t->runs[last].ts == ts && t->runs[last].n < UINT32_MAX;
+    if (t->ring_len == t->ring_cap) {
+        uint64_t *grown = ring_grow(t->ring, &t->ring_head, &t->ring_cap, sizeof(uint64_t), 256);
+        if (!grown)
+            return -1;
+        t->ring = grown;
+    }
+    if (!same_run && t->run_len == t->run_cap) {
+        Run *grown = ring_grow(t->runs, &t->run_head, &t->run_cap, sizeof(Run), 16);
+        if (!grown)
+            return -1;
+        t->runs = grown;
+    }
+    t->ring[ring_at(t->ring_head, t->ring_len++, t->ring_cap)] = key;
+    if (same_run)
+        t->runs[last].n++;
+    else
+        t->runs[ring_at(t->run_head, t->run_len++, t->run_cap)] = (Run){ts, 1};
     return 0;
+}
+
+/* The oldest key of the queue, dropped from it. */
+static uint64_t ring_pop(BlockTable *t) {
+    uint64_t key = t->ring[t->ring_head];
+    t->ring_head = ring_at(t->ring_head, 1, t->ring_cap);
+    t->ring_len--;
+    if (--t->runs[t->run_head].n == 0) {
+        t->run_head = ring_at(t->run_head, 1, t->run_cap);
+        t->run_len--;
+    }
+    return key;
 }
 
 /* --- argument helpers ------------------------------------------------------------------- */
@@ -552,10 +596,8 @@ static PyObject *BlockTable_prune(BlockTable *t, PyObject *const *args, Py_ssize
     PyObject *dropped = PyList_New(0);
     if (!dropped)
         return NULL;
-    while (t->ring_len && t->ring[t->ring_head].ts < before) {
-        uint64_t key = t->ring[t->ring_head].key;
-        t->ring_head = (t->ring_head + 1) % t->ring_cap;
-        t->ring_len--;
+    while (t->ring_len && t->runs[t->run_head].ts < before) {
+        uint64_t key = ring_pop(t);
         int found;
         size_t i = probe(t, key, &found);
         if (!found)
@@ -618,8 +660,10 @@ static PyObject *BlockTable_prune(BlockTable *t, PyObject *const *args, Py_ssize
     }
     if (t->ring_len == 0 && t->ring_cap) {
         PyMem_Free(t->ring);
+        PyMem_Free(t->runs);
         t->ring = NULL;
-        t->ring_head = t->ring_cap = 0;
+        t->runs = NULL;
+        t->ring_head = t->ring_cap = t->run_head = t->run_len = t->run_cap = 0;
     }
     return dropped;
 }
@@ -751,7 +795,7 @@ static Py_ssize_t BlockTable_len(BlockTable *t) {
 
 static PyObject *BlockTable_nbytes(BlockTable *t, void *closure) {
     size_t bytes = t->cap * sizeof(Slot) + (size_t)t->arena_cap * (sizeof(uint64_t) + sizeof(uint32_t))
-                   + t->ring_cap * sizeof(Closed) + sizeof(BlockTable);
+                   + t->ring_cap * sizeof(uint64_t) + t->run_cap * sizeof(Run) + sizeof(BlockTable);
     return PyLong_FromSize_t(bytes);
 }
 
@@ -789,6 +833,7 @@ static void BlockTable_dealloc(BlockTable *t) {
     PyMem_Free(t->arena_iv);
     PyMem_Free(t->arena_prev);
     PyMem_Free(t->ring);
+    PyMem_Free(t->runs);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 

@@ -168,6 +168,28 @@ def test_a_block_stored_again_links_its_history_and_gets_its_slot_back_when_that
 
 
 @compiled
+def test_the_retention_queue_keeps_apply_order_whatever_the_engine_clock_does():
+    """The compiled queue stores one ts per run of closes at the same ts; runs must not merge
+    across a different ts, so a clock that steps back holds later records as the model does."""
+    rng = random.Random(3)
+    c, p = residency_table.BlockTable(), PyBlockTable()
+    pool = list(range(200))
+    for seq in range(300):
+        ts = rng.choice([1.0, 2.0, 2.0, 3.0, float(seq), -0.0, 0.0])
+        batch = rng.sample(pool, 5)
+        assert c.store(batch, seq) == p.store(batch, seq)
+        for _ in range(rng.randrange(4)):
+            gone = rng.sample(pool, rng.randrange(1, 4))
+            assert c.remove(gone, seq, ts) == p.remove(gone, seq, ts)
+        if seq % 7 == 6:
+            before = rng.choice([0.5, 1.5, 2.5, 3.5, seq / 2])
+            assert sorted(c.prune(before, None)) == sorted(p.prune(before, None))
+            assert c.retained == p.retained
+    for h in pool:
+        assert c.chain(h) == p.chain(h)
+
+
+@compiled
 def test_the_compiled_refcount_saturates_at_its_bound_and_removals_still_count(tmp_path):
     """Copies of one block saturate at REFS_MAX (2^31 - 1 in the real build): further stores
     are not counted, removals are, so the interval closes after REFS_MAX removals. A build
