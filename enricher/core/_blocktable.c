@@ -417,6 +417,55 @@ bad:
 
 /* --- methods ---------------------------------------------------------------------------- */
 
+/* One block of a BlockStored: 1 when it already had a live copy stored in the same batch
+ * (a same-step copy), 0 otherwise, -1 with an exception set. */
+static inline int store_key(BlockTable *t, uint64_t key, uint64_t seq) {
+    if (reserve_one(t) < 0)
+        return -1;
+    int found;
+    size_t i = probe(t, key, &found);
+    if (!found) {
+        t->slots[i].key = key;
+        t->slots[i].word = resident_iv(seq);
+        t->len++;
+        return 0;
+    }
+    uint64_t *cur = current(t, i);
+    if (!iv_closed(*cur)) { /* another live copy */
+        if (iv_r(*cur) < REFS_MAX)
+            *cur += ONE_REF;
+        return iv_stored(*cur) == seq;
+    }
+    /* stored again after its removal */
+    return push_behind(t, i, resident_iv(seq)) < 0 ? -1 : 0;
+}
+
+/* One block of a BlockRemoved: 1 when its interval closed, 0 when a copy is left, -1 with
+ * an exception set. */
+static inline int remove_key(BlockTable *t, uint64_t key, uint64_t seq, double ts) {
+    if (reserve_one(t) < 0)
+        return -1;
+    int found;
+    size_t i = probe(t, key, &found);
+    if (!found) { /* stored before our history began */
+        t->slots[i].key = key;
+        t->slots[i].word = closed_iv(0, seq);
+        t->len++;
+    } else {
+        uint64_t *cur = current(t, i);
+        if (iv_closed(*cur)) { /* removed again: its store predates our history */
+            if (push_behind(t, i, closed_iv(0, seq)) < 0)
+                return -1;
+        } else if (iv_r(*cur) > 1) {
+            *cur -= ONE_REF;
+            return 0;
+        } else {
+            *cur = closed_iv(iv_stored(*cur), seq);
+        }
+    }
+    return ring_push(t, ts, key) < 0 ? -1 : 1;
+}
+
 /* One BlockStored: `*same_step` collects hashes that already had a live copy stored in the
  * same batch (created on the first). 0 on success, -1 with an exception set. */
 static int table_store(BlockTable *t, PyObject *hashes, uint64_t seq, PyObject **same_step) {
@@ -427,31 +476,15 @@ static int table_store(BlockTable *t, PyObject *hashes, uint64_t seq, PyObject *
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
         uint64_t key;
-        if (key_of(items[k], &key) < 0 || reserve_one(t) < 0)
+        int copy;
+        if (key_of(items[k], &key) < 0 || (copy = store_key(t, key, seq)) < 0)
             goto fail;
-        int found;
-        size_t i = probe(t, key, &found);
-        if (!found) {
-            t->slots[i].key = key;
-            t->slots[i].word = resident_iv(seq);
-            t->len++;
-            continue;
+        if (copy) {
+            if (!*same_step && !(*same_step = PyList_New(0)))
+                goto fail;
+            if (PyList_Append(*same_step, items[k]) < 0)
+                goto fail;
         }
-        uint64_t *cur = current(t, i);
-        if (!iv_closed(*cur)) { /* another live copy */
-            if (iv_r(*cur) < REFS_MAX)
-                *cur += ONE_REF;
-            if (iv_stored(*cur) == seq) {
-                if (!*same_step && !(*same_step = PyList_New(0)))
-                    goto fail;
-                if (PyList_Append(*same_step, items[k]) < 0)
-                    goto fail;
-            }
-            continue;
-        }
-        /* stored again after its removal */
-        if (push_behind(t, i, resident_iv(seq)) < 0)
-            goto fail;
     }
     Py_DECREF(fast);
     return 0;
@@ -469,35 +502,15 @@ static Py_ssize_t table_remove(BlockTable *t, PyObject *hashes, uint64_t seq, do
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
         uint64_t key;
-        if (key_of(items[k], &key) < 0 || reserve_one(t) < 0)
-            goto fail;
-        int found;
-        size_t i = probe(t, key, &found);
-        if (!found) { /* stored before our history began */
-            t->slots[i].key = key;
-            t->slots[i].word = closed_iv(0, seq);
-            t->len++;
-        } else {
-            uint64_t *cur = current(t, i);
-            if (iv_closed(*cur)) { /* removed again: its store predates our history */
-                if (push_behind(t, i, closed_iv(0, seq)) < 0)
-                    goto fail;
-            } else if (iv_r(*cur) > 1) {
-                *cur -= ONE_REF;
-                continue;
-            } else {
-                *cur = closed_iv(iv_stored(*cur), seq);
-            }
+        int done;
+        if (key_of(items[k], &key) < 0 || (done = remove_key(t, key, seq, ts)) < 0) {
+            Py_DECREF(fast);
+            return -1;
         }
-        if (ring_push(t, ts, key) < 0)
-            goto fail;
-        closed++;
+        closed += done;
     }
     Py_DECREF(fast);
     return closed;
-fail:
-    Py_DECREF(fast);
-    return -1;
 }
 
 PyDoc_STRVAR(store_doc,
