@@ -2,29 +2,45 @@
  *
  * The C twin of enricher/core/residency_table.py (PyBlockTable, the reference model: read that
  * first, it states the rules in a dozen lines; tests/enricher/core/test_residency_table.py checks
- * the two agree on random event streams). This file exists for two numbers in issue #4:
- * >= 1 M block events/s through the index and <= 64 bytes per resident block. A Python dict
- * pays a slot plus a 36-byte int object per key; here a block costs 28 bytes of parallel
- * slot at a load factor between 0.53 and 0.8, and no Python object at all.
+ * the two agree on random event streams). This file exists for the numbers of issues #4 and
+ * #18: >= 1 M block events/s through the index and <= 32 bytes per resident block. A Python
+ * dict pays a slot plus a 36-byte int object per key; here a block costs one 16-byte slot at
+ * a load factor between 0.53 and 0.8 (20-30 bytes), and no Python object at all.
  *
- * Layout: open addressing with linear probing over packed 28-byte slots (one cache line
- * holds a block's whole record, and most probe sequences), backward-shift deletion (no
- * tombstones), home slot chosen by a 128-bit multiply of the mixed key (any capacity,
- * grown by 1.5x at a load of 0.8).
+ * Layout: open addressing with linear probing over 16-byte slots (four to a cache line, none
+ * straddling two), backward-shift deletion (no tombstones), home slot chosen by a 128-bit
+ * multiply of the mixed key (any capacity), grown by 1.5x at a load of 0.8.
  *
- * A slot holds a block's latest residency interval; older intervals of the same block are
- * chained behind it in `arena`. Sequence numbers are stored relative to the epoch's first
- * applied batch (`base`), plus one so that 0 can mean "none":
- *   stored[i]  = low 40 bits: stored seq + 1 (0: the store predates our history)
- *                high 24 bits: live copies (refcount; tiers and recomputes store twice)
- *   removed[i] = low 40 bits: removed seq + 1 (0: still resident); bit 40: by a clear
- *   prev[i]    = older interval: arena index + 1 (0: none)
- * A slot is occupied when stored | removed != 0 (a resident record has copies >= 1, a
- * closed one has a removal).
+ * A slot is (key, word). The word holds the block's latest interval when that is all the
+ * block has -- resident, or closed and waiting for retention: the two common cases, so an
+ * eviction record costs no more than its retention-queue entry -- and otherwise links to the
+ * block's records in the arena. Sequence numbers are stored relative to the epoch's first
+ * applied batch (`base`), plus one so that 0 can mean "none", in 31 bits: a table spans
+ * SEQ_SPAN = 2^31 - 1 batches (residency_table.SEQ_SPAN; ~250 days at 100 batches/s; past it
+ * the index starts a fresh view, as it did past 2^40 with the 28-byte slots before).
+ *   bits  0-30  S: stored seq + 1 (0: the store predates our history)
+ *   bits 31-61  R: resident: live copies (refcount; tiers and recomputes store twice), >= 1
+ *                  closed:   removed seq + 1, >= 1
+ *   bit  62     closed
+ *   bit  63     closed by a clear
+ * A word with R = 0 (no interval has one) is a link instead: S is the arena index + 1 of the
+ * block's head entry, which holds its latest interval in the same form and chains the older
+ * ones behind it, newest first (an entry is that word plus a 4-byte link: 12 bytes). A block
+ * gets a link when it is stored (or removed) again while its closed interval is retained --
+ * 24 bytes then, 12 for each further interval -- and its slot takes the interval back when
+ * retention has dropped every older one. A slot is free when its word is 0.
  *
- * `ring` is the retention queue: (engine ts, key) of every interval that closed, in apply
- * order; `prune` drops closed intervals older than a horizon and returns their keys so that
- * the caller can remember them in its no-false-negative filter.
+ * Why these numbers (benchmarks/bench_index_memory.py and bench_table_ops.py, RESULTS.md):
+ * the 16-byte slot alone brings the 28-byte one's 35-53 bytes per block to 20-30 at the same
+ * load factors, and its probes touch fewer cache lines (store, `in` and as_of measured as fast
+ * or faster). A denser table (0.875 maximum load, grown by 1.33x: 18-24 bytes) stored and
+ * removed 5-60% slower over three alternating runs, for bytes the target does not need.
+ *
+ * `ring` is the retention queue: the key of every interval that closed, in apply order, with
+ * the engine ts of each run of consecutive closes at one ts in `runs` (a batch's evictions,
+ * a clear): 8 bytes a record plus 12 a run. `prune` drops closed intervals older than a
+ * horizon and returns their keys so that the caller can remember them in its
+ * no-false-negative filter.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -35,44 +51,84 @@
 
 #include "../../collectors/_kvwire.h" /* EncodedEvents: a batch read in C, applied without Structs */
 
-#define SEQ_BITS 40
-#define SEQ_MASK ((UINT64_C(1) << SEQ_BITS) - 1)
-#define CLEAR_BIT (UINT64_C(1) << SEQ_BITS)
-#define REFS_ONE (UINT64_C(1) << SEQ_BITS)
-#define REFS_MAX ((UINT64_C(1) << (64 - SEQ_BITS)) - 1)
+#define SEQ_BITS 31
+#define SEQ_MASK ((UINT64_C(1) << SEQ_BITS) - 1) /* the largest S or R; a rel seq < SEQ_MASK fits */
+#define CLOSED_BIT (UINT64_C(1) << 62)
+#define CLEAR_BIT (UINT64_C(1) << 63)
+#define ONE_REF (UINT64_C(1) << SEQ_BITS)
+/* Copies of one resident block saturate here: past it stores are not counted, removals still
+ * are (so the interval closes early, after REFS_MAX removals). Overridable for the test that
+ * builds a variant to reach it. */
+#ifndef REFS_MAX
+#define REFS_MAX SEQ_MASK
+#endif
 #define MIN_CAPACITY 16
+/* Grow by 1/GROW_DIV of the capacity when the load would pass LOAD_NUM/LOAD_DEN (overridable
+ * to measure other choices: see the header). */
+#ifndef LOAD_NUM
+#define LOAD_NUM 4
+#define LOAD_DEN 5
+#endif
+#ifndef GROW_DIV
+#define GROW_DIV 2
+#endif
 
+/* One block's slot. */
 typedef struct {
-    uint64_t stored;  /* seq + 1, no copy count (an older interval is closed) */
-    uint64_t removed; /* seq + 1 | CLEAR_BIT */
-    uint32_t prev;    /* arena index + 1; for a free entry, the next free one */
-    uint32_t _pad;
-} Older;
-
-typedef struct {
-    double ts;
     uint64_t key;
-} Closed;
-
-/* One block's slot; packed to 28 bytes (x86-64 and arm64 load unaligned words at no cost). */
-typedef struct __attribute__((packed)) {
-    uint64_t key;
-    uint64_t stored;
-    uint64_t removed;
-    uint32_t prev;
+    uint64_t word;
 } Slot;
+
+/* The engine ts of `n` consecutive entries of the retention queue. */
+typedef struct __attribute__((packed)) {
+    double ts;
+    uint32_t n;
+} Run;
 
 typedef struct {
     PyObject_HEAD
     int64_t base;
     Slot *slots;
     size_t cap, len;
-    Older *arena;
+    /* arena entry k: an interval (the slot word's form, never a link) and the arena index + 1
+     * of the next older one (0: none; for a free entry, the next free one) */
+    uint64_t *arena_iv;
+    uint32_t *arena_prev;
     uint32_t arena_len, arena_cap, arena_free; /* free: index + 1 of the first free entry */
-    size_t arena_live;
-    Closed *ring;
+    size_t arena_live, linked;                 /* linked: slots whose word is a link */
+    uint64_t *ring;                            /* keys of closed intervals, oldest first */
     size_t ring_head, ring_len, ring_cap;
+    Run *runs;                                 /* their engine ts, run-length encoded */
+    size_t run_head, run_len, run_cap;
 } BlockTable;
+
+/* --- interval words ----------------------------------------------------------------------- */
+
+static inline uint64_t iv_stored(uint64_t w) {
+    return w & SEQ_MASK;
+}
+
+static inline uint64_t iv_r(uint64_t w) {
+    return (w >> SEQ_BITS) & SEQ_MASK;
+}
+
+static inline int iv_closed(uint64_t w) {
+    return (w & CLOSED_BIT) != 0;
+}
+
+static inline uint64_t resident_iv(uint64_t stored) {
+    return stored | ONE_REF;
+}
+
+static inline uint64_t closed_iv(uint64_t stored, uint64_t removed) {
+    return stored | removed << SEQ_BITS | CLOSED_BIT;
+}
+
+static inline int is_link(uint64_t w) {
+    return iv_r(w) == 0;
+}
+
+/* --- slots ---------------------------------------------------------------------------------- */
 
 static inline uint64_t mix(uint64_t x) {
     /* splitmix64's finaliser: engine hashes are uniform already, test keys are not */
@@ -88,25 +144,29 @@ static inline size_t home_of(uint64_t key, size_t cap) {
     return (size_t)(((__uint128_t)mix(key) * cap) >> 64);
 }
 
-static inline int occupied(const BlockTable *t, size_t i) {
-    return (t->slots[i].stored | t->slots[i].removed) != 0;
-}
-
 /* Slot of `key`, or the empty slot where it would go (*found tells which). */
 static inline size_t probe(const BlockTable *t, uint64_t key, int *found) {
     size_t i = home_of(key, t->cap);
     for (;;) {
-        if (!occupied(t, i)) {
+        const Slot *s = &t->slots[i];
+        if (!s->word) {
             *found = 0;
             return i;
         }
-        if (t->slots[i].key == key) {
+        if (s->key == key) {
             *found = 1;
             return i;
         }
         if (++i == t->cap)
             i = 0;
     }
+}
+
+/* The block's latest interval: its slot word, or its head entry when that is a link. The
+ * pointer lasts until the next arena_push. */
+static inline uint64_t *current(BlockTable *t, size_t i) {
+    uint64_t *w = &t->slots[i].word;
+    return is_link(*w) ? &t->arena_iv[iv_stored(*w) - 1] : w;
 }
 
 static int resize(BlockTable *t, size_t cap) {
@@ -116,10 +176,10 @@ static int resize(BlockTable *t, size_t cap) {
         return -1;
     }
     for (size_t i = 0; i < t->cap; i++) {
-        if (!occupied(t, i))
+        if (!t->slots[i].word)
             continue;
         size_t j = home_of(t->slots[i].key, cap);
-        while (slots[j].stored | slots[j].removed) {
+        while (slots[j].word) {
             if (++j == cap)
                 j = 0;
         }
@@ -131,11 +191,11 @@ static int resize(BlockTable *t, size_t cap) {
     return 0;
 }
 
-/* Room for one more key at a load factor <= 0.8. */
+/* Room for one more key at a load factor <= LOAD_NUM/LOAD_DEN. */
 static inline int reserve_one(BlockTable *t) {
-    if ((t->len + 1) * 5 <= t->cap * 4)
+    if ((t->len + 1) * LOAD_DEN <= t->cap * LOAD_NUM)
         return 0;
-    return resize(t, t->cap + t->cap / 2);
+    return resize(t, t->cap + t->cap / GROW_DIV);
 }
 
 /* Backward-shift deletion: close the gap so every probe sequence stays unbroken. */
@@ -144,7 +204,7 @@ static void delete_slot(BlockTable *t, size_t i) {
     for (;;) {
         if (++j == t->cap)
             j = 0;
-        if (!occupied(t, j))
+        if (!t->slots[j].word)
             break;
         size_t h = home_of(t->slots[j].key, t->cap);
         /* move j back to i unless its home lies cyclically in (i, j] */
@@ -154,39 +214,43 @@ static void delete_slot(BlockTable *t, size_t i) {
         t->slots[i] = t->slots[j];
         i = j;
     }
-    memset(&t->slots[i], 0, sizeof(Slot));
+    t->slots[i].key = 0;
+    t->slots[i].word = 0;
     t->len--;
 }
 
-/* --- the arena of older intervals ----------------------------------------------------- */
+/* --- the arena of linked records -------------------------------------------------------- */
 
-static uint32_t arena_push(BlockTable *t, uint64_t stored, uint64_t removed, uint32_t prev) {
+static uint32_t arena_push(BlockTable *t, uint64_t iv, uint32_t prev) {
     uint32_t at;
     if (t->arena_free) {
         at = t->arena_free - 1;
-        t->arena_free = t->arena[at].prev;
+        t->arena_free = t->arena_prev[at];
     } else {
         if (t->arena_len == t->arena_cap) {
-            size_t cap = t->arena_cap ? (size_t)t->arena_cap * 2 : 64;
-            if (cap > UINT32_MAX - 1)
-                cap = UINT32_MAX - 1;
+            /* a link keeps the index in S: at most SEQ_MASK entries */
+            size_t cap = t->arena_cap ? (size_t)t->arena_cap + t->arena_cap / 2 : 64;
+            if (cap > SEQ_MASK)
+                cap = SEQ_MASK;
             if (cap <= t->arena_cap) {
                 PyErr_SetString(PyExc_MemoryError, "residency history arena full");
                 return 0;
             }
-            Older *grown = PyMem_Realloc(t->arena, cap * sizeof(Older));
-            if (!grown) {
+            uint64_t *ivs = PyMem_Realloc(t->arena_iv, cap * sizeof(uint64_t));
+            if (ivs)
+                t->arena_iv = ivs;
+            uint32_t *prevs = ivs ? PyMem_Realloc(t->arena_prev, cap * sizeof(uint32_t)) : NULL;
+            if (!prevs) {
                 PyErr_NoMemory();
                 return 0;
             }
-            t->arena = grown;
+            t->arena_prev = prevs;
             t->arena_cap = (uint32_t)cap;
         }
         at = t->arena_len++;
     }
-    t->arena[at].stored = stored;
-    t->arena[at].removed = removed;
-    t->arena[at].prev = prev;
+    t->arena_iv[at] = iv;
+    t->arena_prev[at] = prev;
     t->arena_live++;
     return at + 1;
 }
@@ -194,42 +258,97 @@ static uint32_t arena_push(BlockTable *t, uint64_t stored, uint64_t removed, uin
 static void arena_free_chain(BlockTable *t, uint32_t link) {
     while (link) {
         uint32_t at = link - 1;
-        link = t->arena[at].prev;
-        t->arena[at].prev = t->arena_free;
+        link = t->arena_prev[at];
+        t->arena_prev[at] = t->arena_free;
         t->arena_free = at + 1;
         t->arena_live--;
     }
 }
 
-/* Push the slot's current (closed) interval behind it, leaving the slot to a new one. */
-static int push_current(BlockTable *t, size_t i) {
-    uint32_t link = arena_push(t, t->slots[i].stored & SEQ_MASK, t->slots[i].removed, t->slots[i].prev);
-    if (!link)
+/* The slot's latest (closed) interval moves behind a new one, `iv`. */
+static int push_behind(BlockTable *t, size_t i, uint64_t iv) {
+    uint64_t w = t->slots[i].word;
+    if (is_link(w)) {
+        uint32_t head = (uint32_t)iv_stored(w) - 1;
+        uint32_t older = arena_push(t, t->arena_iv[head], t->arena_prev[head]);
+        if (!older)
+            return -1;
+        t->arena_iv[head] = iv; /* (indexed anew: the push may have moved the arena) */
+        t->arena_prev[head] = older;
+        return 0;
+    }
+    uint32_t older = arena_push(t, w, 0);
+    if (!older)
         return -1;
-    t->slots[i].prev = link;
+    uint32_t head = arena_push(t, iv, older);
+    if (!head) {
+        arena_free_chain(t, older);
+        return -1;
+    }
+    t->slots[i].word = head;
+    t->linked++;
     return 0;
 }
 
 /* --- retention queue -------------------------------------------------------------------- */
 
-static int ring_push(BlockTable *t, double ts, uint64_t key) {
-    if (t->ring_len == t->ring_cap) {
-        size_t cap = t->ring_cap ? t->ring_cap * 2 : 256;
-        Closed *grown = PyMem_Malloc(cap * sizeof(Closed));
-        if (!grown) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (size_t k = 0; k < t->ring_len; k++)
-            grown[k] = t->ring[(t->ring_head + k) % t->ring_cap];
-        PyMem_Free(t->ring);
-        t->ring = grown;
-        t->ring_head = 0;
-        t->ring_cap = cap;
+/* A full circular buffer of `*cap` items of `size` bytes from `*head`, copied in order into
+ * one 1.5x larger (`first` items when empty); NULL with an exception set. */
+static void *ring_grow(void *buf, size_t *head, size_t *cap, size_t size, size_t first) {
+    size_t grown_cap = *cap ? *cap + *cap / 2 : first;
+    char *grown = PyMem_Malloc(grown_cap * size);
+    if (!grown) {
+        PyErr_NoMemory();
+        return NULL;
     }
-    t->ring[(t->ring_head + t->ring_len) % t->ring_cap] = (Closed){ts, key};
-    t->ring_len++;
+    if (*cap) {
+        memcpy(grown, (char *)buf + *head * size, (*cap - *head) * size);
+        memcpy(grown + (*cap - *head) * size, buf, *head * size);
+    }
+    PyMem_Free(buf);
+    *head = 0;
+    *cap = grown_cap;
+    return grown;
+}
+
+static inline size_t ring_at(size_t head, size_t k, size_t cap) {
+    size_t at = head + k;
+    return at >= cap ? at - cap : at;
+}
+
+static int ring_push(BlockTable *t, double ts, uint64_t key) {
+    size_t last = t->run_len ? ring_at(t->run_head, t->run_len - 1, t->run_cap) : 0;
+    int same_run = t->run_len && t->runs[last].ts == ts && t->runs[last].n < UINT32_MAX;
+    if (t->ring_len == t->ring_cap) {
+        uint64_t *grown = ring_grow(t->ring, &t->ring_head, &t->ring_cap, sizeof(uint64_t), 256);
+        if (!grown)
+            return -1;
+        t->ring = grown;
+    }
+    if (!same_run && t->run_len == t->run_cap) {
+        Run *grown = ring_grow(t->runs, &t->run_head, &t->run_cap, sizeof(Run), 16);
+        if (!grown)
+            return -1;
+        t->runs = grown;
+    }
+    t->ring[ring_at(t->ring_head, t->ring_len++, t->ring_cap)] = key;
+    if (same_run)
+        t->runs[last].n++;
+    else
+        t->runs[ring_at(t->run_head, t->run_len++, t->run_cap)] = (Run){ts, 1};
     return 0;
+}
+
+/* The oldest key of the queue, dropped from it. */
+static uint64_t ring_pop(BlockTable *t) {
+    uint64_t key = t->ring[t->ring_head];
+    t->ring_head = ring_at(t->ring_head, 1, t->ring_cap);
+    t->ring_len--;
+    if (--t->runs[t->run_head].n == 0) {
+        t->run_head = ring_at(t->run_head, 1, t->run_cap);
+        t->run_len--;
+    }
+    return key;
 }
 
 /* --- argument helpers ------------------------------------------------------------------- */
@@ -238,15 +357,24 @@ static int rel_seq(BlockTable *t, PyObject *obj, uint64_t *out) {
     long long seq = PyLong_AsLongLong(obj);
     if (seq == -1 && PyErr_Occurred())
         return -1;
-    long long rel = seq - t->base;
-    if (rel < 0 || (uint64_t)rel >= SEQ_MASK) {
+    /* (unsigned difference: no signed overflow whatever the two are) */
+    uint64_t rel = (uint64_t)seq - (uint64_t)t->base;
+    if (seq < t->base || rel >= SEQ_MASK) {
         PyErr_Format(PyExc_OverflowError,
                      "batch seq %lld outside this epoch's range (first applied seq %lld)", seq,
                      (long long)t->base);
         return -1;
     }
-    *out = (uint64_t)rel + 1;
+    *out = rel + 1;
     return 0;
+}
+
+/* A bound in S/R form: every field < it is a seq before batch `seq` (and 0 always is). */
+static inline uint64_t limit_of(BlockTable *t, long long seq) {
+    if (seq < t->base)
+        return 1;
+    uint64_t rel = (uint64_t)seq - (uint64_t)t->base;
+    return (rel < SEQ_MASK ? rel : SEQ_MASK) + 1;
 }
 
 /* A batch's (seq, engine ts) arguments, the seq relative to the table as stored. */
@@ -258,10 +386,9 @@ static int seq_and_ts(BlockTable *t, PyObject *seq_obj, PyObject *ts_obj, uint64
 }
 
 static PyObject *abs_seq(BlockTable *t, uint64_t field) {
-    uint64_t rel = field & SEQ_MASK;
-    if (!rel)
+    if (!field)
         Py_RETURN_NONE;
-    return PyLong_FromLongLong(t->base + (long long)(rel - 1));
+    return PyLong_FromLongLong(t->base + (long long)(field - 1));
 }
 
 /* A block hash as uint64, refusing negatives and values of 65+ bits. (PyLong_As-
@@ -301,21 +428,18 @@ static inline int store_key(BlockTable *t, uint64_t key, uint64_t seq) {
     size_t i = probe(t, key, &found);
     if (!found) {
         t->slots[i].key = key;
-        t->slots[i].stored = REFS_ONE | seq;
+        t->slots[i].word = resident_iv(seq);
         t->len++;
         return 0;
     }
-    if (t->slots[i].removed == 0) { /* another live copy */
-        if ((t->slots[i].stored >> SEQ_BITS) < REFS_MAX)
-            t->slots[i].stored += REFS_ONE;
-        return (t->slots[i].stored & SEQ_MASK) == seq;
+    uint64_t *cur = current(t, i);
+    if (!iv_closed(*cur)) { /* another live copy */
+        if (iv_r(*cur) < REFS_MAX)
+            *cur += ONE_REF;
+        return iv_stored(*cur) == seq;
     }
     /* stored again after its removal */
-    if (push_current(t, i) < 0)
-        return -1;
-    t->slots[i].stored = REFS_ONE | seq;
-    t->slots[i].removed = 0;
-    return 0;
+    return push_behind(t, i, resident_iv(seq)) < 0 ? -1 : 0;
 }
 
 /* One block of a BlockRemoved: 1 when its interval closed, 0 when a copy is left, -1 with
@@ -327,20 +451,19 @@ static inline int remove_key(BlockTable *t, uint64_t key, uint64_t seq, double t
     size_t i = probe(t, key, &found);
     if (!found) { /* stored before our history began */
         t->slots[i].key = key;
-        t->slots[i].stored = 0;
-        t->slots[i].removed = seq;
+        t->slots[i].word = closed_iv(0, seq);
         t->len++;
-    } else if (t->slots[i].removed != 0) { /* removed again: its store predates our history */
-        if (push_current(t, i) < 0)
-            return -1;
-        t->slots[i].stored = 0;
-        t->slots[i].removed = seq;
-    } else if ((t->slots[i].stored >> SEQ_BITS) > 1) {
-        t->slots[i].stored -= REFS_ONE;
-        return 0;
     } else {
-        t->slots[i].stored &= SEQ_MASK;
-        t->slots[i].removed = seq;
+        uint64_t *cur = current(t, i);
+        if (iv_closed(*cur)) { /* removed again: its store predates our history */
+            if (push_behind(t, i, closed_iv(0, seq)) < 0)
+                return -1;
+        } else if (iv_r(*cur) > 1) {
+            *cur -= ONE_REF;
+            return 0;
+        } else {
+            *cur = closed_iv(iv_stored(*cur), seq);
+        }
     }
     return ring_push(t, ts, key) < 0 ? -1 : 1;
 }
@@ -451,10 +574,12 @@ static PyObject *BlockTable_clear(BlockTable *t, PyObject *const *args, Py_ssize
         return NULL;
     Py_ssize_t closed = 0;
     for (size_t i = 0; i < t->cap; i++) {
-        if (!occupied(t, i) || t->slots[i].removed != 0)
+        if (!t->slots[i].word)
             continue;
-        t->slots[i].stored &= SEQ_MASK;
-        t->slots[i].removed = seq | CLEAR_BIT;
+        uint64_t *cur = current(t, i);
+        if (iv_closed(*cur))
+            continue;
+        *cur = closed_iv(iv_stored(*cur), seq) | CLEAR_BIT;
         if (ring_push(t, ts, t->slots[i].key) < 0)
             return NULL;
         closed++;
@@ -481,43 +606,45 @@ static PyObject *BlockTable_prune(BlockTable *t, PyObject *const *args, Py_ssize
         long long h = PyLong_AsLongLong(args[1]);
         if (h == -1 && PyErr_Occurred())
             return NULL;
-        long long rel = h - t->base;
-        horizon = rel < 0 ? 1 : ((uint64_t)rel >= SEQ_MASK ? SEQ_MASK : (uint64_t)rel + 1);
+        horizon = limit_of(t, h);
     }
     PyObject *dropped = PyList_New(0);
     if (!dropped)
         return NULL;
-    while (t->ring_len && t->ring[t->ring_head].ts < before) {
-        uint64_t key = t->ring[t->ring_head].key;
-        t->ring_head = (t->ring_head + 1) % t->ring_cap;
-        t->ring_len--;
+    while (t->ring_len && t->runs[t->run_head].ts < before) {
+        uint64_t key = ring_pop(t);
         int found;
         size_t i = probe(t, key, &found);
         if (!found)
             continue;
-#define OLD_ENOUGH(rem) ((rem) != 0 && (horizon == 0 || ((rem) & SEQ_MASK) < horizon))
+#define OLD_ENOUGH(iv) (iv_closed(iv) && (horizon == 0 || iv_r(iv) < horizon))
         int drop = 0;
-        if (OLD_ENOUGH(t->slots[i].removed)) {
-            arena_free_chain(t, t->slots[i].prev);
+        uint64_t w = t->slots[i].word;
+        if (OLD_ENOUGH(*current(t, i))) {
+            if (is_link(w)) {
+                arena_free_chain(t, (uint32_t)iv_stored(w));
+                t->linked--;
+            }
             delete_slot(t, i);
             drop = 1;
-        } else {
-            /* walk the older intervals; `holder` is the one whose prev is `link` (NULL: the slot) */
-            Older *holder = NULL;
-            uint32_t link = t->slots[i].prev;
+        } else if (is_link(w)) {
+            /* walk the older intervals; `holder` is the entry whose prev is `link` */
+            uint32_t head = (uint32_t)iv_stored(w) - 1, holder = head;
+            uint32_t link = t->arena_prev[head];
             while (link) {
-                Older *o = &t->arena[link - 1];
-                if (OLD_ENOUGH(o->removed)) {
+                if (OLD_ENOUGH(t->arena_iv[link - 1])) {
                     arena_free_chain(t, link);
-                    if (holder)
-                        holder->prev = 0;
-                    else
-                        t->slots[i].prev = 0;
+                    t->arena_prev[holder] = 0;
                     drop = 1;
                     break;
                 }
-                holder = o;
-                link = o->prev;
+                holder = link - 1;
+                link = t->arena_prev[holder];
+            }
+            if (!t->arena_prev[head]) { /* nothing older left: the interval goes back into its slot */
+                t->slots[i].word = t->arena_iv[head];
+                arena_free_chain(t, head + 1);
+                t->linked--;
             }
         }
 #undef OLD_ENOUGH
@@ -540,26 +667,31 @@ static PyObject *BlockTable_prune(BlockTable *t, PyObject *const *args, Py_ssize
     }
     /* Give back what a burst left behind once it has fully aged out. */
     if (t->arena_live == 0 && t->arena_cap) {
-        PyMem_Free(t->arena);
-        t->arena = NULL;
+        PyMem_Free(t->arena_iv);
+        PyMem_Free(t->arena_prev);
+        t->arena_iv = NULL;
+        t->arena_prev = NULL;
         t->arena_len = t->arena_cap = t->arena_free = 0;
     }
     if (t->ring_len == 0 && t->ring_cap) {
         PyMem_Free(t->ring);
+        PyMem_Free(t->runs);
         t->ring = NULL;
-        t->ring_head = t->ring_cap = 0;
+        t->runs = NULL;
+        t->ring_head = t->ring_cap = t->run_head = t->run_len = t->run_cap = 0;
     }
     return dropped;
 }
 
-static PyObject *interval_tuple(BlockTable *t, uint64_t stored, uint64_t removed) {
-    PyObject *s = abs_seq(t, stored), *r = abs_seq(t, removed);
+static PyObject *interval_tuple(BlockTable *t, uint64_t iv) {
+    int closed = iv_closed(iv);
+    PyObject *s = abs_seq(t, iv_stored(iv)), *r = abs_seq(t, closed ? iv_r(iv) : 0);
     if (!s || !r) {
         Py_XDECREF(s);
         Py_XDECREF(r);
         return NULL;
     }
-    PyObject *by_clear = (removed & CLEAR_BIT) ? Py_True : Py_False;
+    PyObject *by_clear = (iv & CLEAR_BIT) ? Py_True : Py_False;
     Py_INCREF(by_clear);
     PyObject *tup = PyTuple_New(3);
     if (!tup) {
@@ -592,20 +724,21 @@ static PyObject *BlockTable_as_of(BlockTable *t, PyObject *const *args, Py_ssize
     long long step = PyLong_AsLongLong(args[1]);
     if (step == -1 && PyErr_Occurred())
         return NULL;
-    long long rel = step - t->base;
     /* stored field < limit <=> stored before the step (an unknown store, 0, always is) */
-    uint64_t limit = rel < 0 ? 1 : ((uint64_t)rel >= SEQ_MASK ? SEQ_MASK : (uint64_t)rel + 1);
+    uint64_t limit = limit_of(t, step);
     int found;
     size_t i = probe(t, key, &found);
     if (!found)
         Py_RETURN_NONE;
-    uint64_t s = t->slots[i].stored & SEQ_MASK;
-    if (s < limit)
-        return interval_tuple(t, s, t->slots[i].removed);
-    for (uint32_t link = t->slots[i].prev; link; link = t->arena[link - 1].prev) {
-        Older *o = &t->arena[link - 1];
-        if (o->stored < limit)
-            return interval_tuple(t, o->stored, o->removed);
+    uint64_t w = t->slots[i].word;
+    if (!is_link(w)) {
+        if (iv_stored(w) < limit)
+            return interval_tuple(t, w);
+        Py_RETURN_NONE;
+    }
+    for (uint32_t link = (uint32_t)iv_stored(w); link; link = t->arena_prev[link - 1]) {
+        if (iv_stored(t->arena_iv[link - 1]) < limit)
+            return interval_tuple(t, t->arena_iv[link - 1]);
     }
     Py_RETURN_NONE;
 }
@@ -624,10 +757,15 @@ static PyObject *BlockTable_chain(BlockTable *t, PyObject *arg) {
     size_t i = probe(t, key, &found);
     if (!found)
         return out;
-    uint64_t s = t->slots[i].stored & SEQ_MASK, r = t->slots[i].removed;
-    uint32_t link = t->slots[i].prev;
+    uint64_t w = t->slots[i].word;
+    uint32_t link = 0;
+    if (is_link(w)) {
+        link = (uint32_t)iv_stored(w);
+        w = t->arena_iv[link - 1];
+        link = t->arena_prev[link - 1];
+    }
     for (;;) {
-        PyObject *tup = interval_tuple(t, s, r);
+        PyObject *tup = interval_tuple(t, w);
         if (!tup || PyList_Append(out, tup) < 0) {
             Py_XDECREF(tup);
             Py_DECREF(out);
@@ -636,9 +774,8 @@ static PyObject *BlockTable_chain(BlockTable *t, PyObject *arg) {
         Py_DECREF(tup);
         if (!link)
             break;
-        s = t->arena[link - 1].stored;
-        r = t->arena[link - 1].removed;
-        link = t->arena[link - 1].prev;
+        w = t->arena_iv[link - 1];
+        link = t->arena_prev[link - 1];
     }
     return out;
 }
@@ -651,9 +788,9 @@ static PyObject *BlockTable_copies(BlockTable *t, PyObject *arg) {
         return NULL;
     int found;
     size_t i = probe(t, key, &found);
-    if (!found || t->slots[i].removed != 0)
+    if (!found || iv_closed(*current(t, i)))
         return PyLong_FromLong(0);
-    return PyLong_FromUnsignedLongLong(t->slots[i].stored >> SEQ_BITS);
+    return PyLong_FromUnsignedLongLong(iv_r(*current(t, i)));
 }
 
 static int BlockTable_contains(BlockTable *t, PyObject *arg) {
@@ -672,13 +809,13 @@ static Py_ssize_t BlockTable_len(BlockTable *t) {
 }
 
 static PyObject *BlockTable_nbytes(BlockTable *t, void *closure) {
-    size_t bytes = t->cap * sizeof(Slot) + (size_t)t->arena_cap * sizeof(Older)
-                   + t->ring_cap * sizeof(Closed) + sizeof(BlockTable);
+    size_t bytes = t->cap * sizeof(Slot) + (size_t)t->arena_cap * (sizeof(uint64_t) + sizeof(uint32_t))
+                   + t->ring_cap * sizeof(uint64_t) + t->run_cap * sizeof(Run) + sizeof(BlockTable);
     return PyLong_FromSize_t(bytes);
 }
 
 static PyObject *BlockTable_older(BlockTable *t, void *closure) {
-    return PyLong_FromSize_t(t->arena_live);
+    return PyLong_FromSize_t(t->arena_live - t->linked); /* every entry but the heads */
 }
 
 static PyObject *BlockTable_retained(BlockTable *t, void *closure) {
@@ -708,8 +845,10 @@ static PyObject *BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kw
 
 static void BlockTable_dealloc(BlockTable *t) {
     PyMem_Free(t->slots);
-    PyMem_Free(t->arena);
+    PyMem_Free(t->arena_iv);
+    PyMem_Free(t->arena_prev);
     PyMem_Free(t->ring);
+    PyMem_Free(t->runs);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 

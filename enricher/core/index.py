@@ -20,7 +20,7 @@ never carried across). Inside a view:
     residency interval of each block on that medium, older ones chained behind it, and a
     retention queue of closed ones. Copies are reference-counted per (medium, group): tiers
     and the lookup-limit recompute store one hash twice, and one `BlockRemoved` does not
-    mean the hash left. Compiled, ~28 bytes per block; queries read `Interval` views.
+    mean the hash left. Compiled, 20-30 bytes per block; queries read `Interval` views.
   * ``pruned``: a no-false-negative filter of blocks whose records retention dropped, so a
     query that would need one answers "aged out" instead of guessing.
 
@@ -425,8 +425,9 @@ class ResidencyIndex:
     def apply(self, batch: AppliedBatch) -> None:
         view = self.current.get(batch.worker)
         if view is None or view.epoch != batch.epoch or not view.holds_seq(batch.seq):
-            # (A seq the view cannot hold -- 2^40 batches past its first -- is garbage that
-            # passed continuity as a hole; a fresh view keeps the flow without a guess.)
+            # (A seq the view cannot hold -- 2^31 batches past its first, `SEQ_SPAN` -- is
+            # months of a busy engine's batches, or garbage that passed continuity as a hole;
+            # a fresh view keeps the flow without a guess.)
             if view is not None and self.keep_previous_epochs > 0:
                 older = self.previous.setdefault(
                     batch.worker, collections.deque(maxlen=self.keep_previous_epochs))

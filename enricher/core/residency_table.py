@@ -9,8 +9,9 @@ our history (a mid-epoch join).
 Two implementations with one interface:
 
   * ``kvmiss.enricher.core._blocktable.BlockTable`` (enricher/core/_blocktable.c), compiled at install
-    time: ~28 bytes per block and no Python object per block (issue #4's memory and
-    throughput targets). Used whenever it imported.
+    time: one 16-byte slot per block at a load factor of 0.53-0.8 (20-30 bytes) and no
+    Python object per block (issues #4 and #18: memory and throughput targets). Used
+    whenever it imported.
   * `PyBlockTable` below: the reference model, plain and slow. It states the rules; the
     tests run both on the same random event streams and require identical answers
     (tests/enricher/core/test_residency_table.py). It is the fallback where no compiler was
@@ -28,9 +29,10 @@ from typing import Iterable
 # One interval: (stored seq or None, removed seq or None while resident, removed by a clear)
 IntervalRecord = tuple[int | None, int | None, bool]
 
-# Seqs are kept relative to the epoch's first applied batch in 40 bits (the C table's
-# packing): 10^12 batches, decades of a busy engine.
-SEQ_SPAN = (1 << 40) - 1
+# Seqs are kept relative to the epoch's first applied batch in 31 bits (the C table packs a
+# closed interval's two seqs into one word beside the key): 2.1 * 10^9 batches, ~250 days of
+# an engine publishing 100 batches/s. Past it the index starts a fresh view of the worker.
+SEQ_SPAN = (1 << 31) - 1
 
 
 class PyBlockTable:

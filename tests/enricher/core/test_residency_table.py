@@ -119,6 +119,106 @@ def test_bad_values_are_refused_with_a_clear_error_and_leave_the_table_usable(ta
     assert "5" not in t and -5 not in t and t.as_of("5", 101) is None
 
 
+@pytest.mark.parametrize("table", [residency_table.BlockTable, PyBlockTable])
+@pytest.mark.parametrize("base", [0, 2**62])
+def test_the_last_seq_of_the_span_is_kept_exactly_and_the_next_one_refused(table, base):
+    t, last = table(base), base + residency_table.SEQ_SPAN - 1
+    t.store([1], base)
+    t.remove([1], last, 1.0)
+    t.store([1, 2], last)
+    assert t.chain(1) == [(last, None, False), (base, last, False)]
+    assert t.as_of(1, last) == (base, last, False) and t.as_of(1, 2**63 - 1) == (last, None, False)
+    assert t.as_of(2, last + 1) == (last, None, False) and t.as_of(2, -2**63) is None
+    with pytest.raises(OverflowError, match="outside this epoch's range"):
+        t.store([3], last + 1)
+    with pytest.raises(OverflowError, match="outside this epoch's range"):
+        t.remove([3], base - 1, 1.0)
+    assert 3 not in t and t.prune(2.0, 2**63 - 1) == [1] and t.prune(2.0, None) == []
+    assert t.chain(1) == [(last, None, False)] and t.older == 0
+
+
+@compiled
+def test_a_block_stored_again_links_its_history_and_gets_its_slot_back_when_that_ages_out():
+    """The compiled table keeps a block's only interval in its slot; a second one moves the
+    record to the arena, and pruning the older ones brings it back (memory given back)."""
+    c, p = residency_table.BlockTable(), PyBlockTable()
+    empty = c.nbytes
+    for t in (c, p):
+        t.store([7, 8], 0)
+        t.remove([7], 1, 1.0)
+        t.store([7], 2)
+        t.store([7], 2)      # a second live copy, counted in the linked record
+        t.remove([7], 3, 3.0)
+        t.remove([8], 3, 3.0)
+        t.remove([8], 4, 4.0)  # removed again: a closed interval with an unknown store
+    assert c.chain(7) == p.chain(7) == [(2, None, False), (0, 1, False)]
+    assert c.chain(8) == p.chain(8) == [(None, 4, False), (0, 3, False)]
+    assert c.copies(7) == p.copies(7) == 1 and c.older == p.older == 2
+    assert c.as_of(7, 2) == p.as_of(7, 2) == (0, 1, False)
+    assert c.clear(5, 5.0) == p.clear(5, 5.0) == 1
+    assert sorted(c.prune(2.0, 2)) == sorted(p.prune(2.0, 2)) == [7]
+    assert c.chain(7) == p.chain(7) == [(2, 5, True)] and c.older == p.older == 1
+    assert sorted(c.prune(4.5, 5)) == sorted(p.prune(4.5, 5)) == [8]
+    assert c.older == p.older == 0 and c.chain(8) == p.chain(8) == []
+    c.store([7], 6), p.store([7], 6)
+    assert c.chain(7) == p.chain(7) == [(6, None, False), (2, 5, True)]
+    assert sorted(c.prune(9.0, None)) == sorted(p.prune(9.0, None)) == [7]
+    assert c.chain(7) == p.chain(7) == [(6, None, False)] and c.older == 0
+    assert c.nbytes == empty
+
+
+@compiled
+def test_the_retention_queue_keeps_apply_order_whatever_the_engine_clock_does():
+    """The compiled queue stores one ts per run of closes at the same ts; runs must not merge
+    across a different ts, so a clock that steps back holds later records as the model does."""
+    rng = random.Random(3)
+    c, p = residency_table.BlockTable(), PyBlockTable()
+    pool = list(range(200))
+    for seq in range(300):
+        ts = rng.choice([1.0, 2.0, 2.0, 3.0, float(seq), -0.0, 0.0])
+        batch = rng.sample(pool, 5)
+        assert c.store(batch, seq) == p.store(batch, seq)
+        for _ in range(rng.randrange(4)):
+            gone = rng.sample(pool, rng.randrange(1, 4))
+            assert c.remove(gone, seq, ts) == p.remove(gone, seq, ts)
+        if seq % 7 == 6:
+            before = rng.choice([0.5, 1.5, 2.5, 3.5, seq / 2])
+            assert sorted(c.prune(before, None)) == sorted(p.prune(before, None))
+            assert c.retained == p.retained
+    for h in pool:
+        assert c.chain(h) == p.chain(h)
+
+
+@compiled
+def test_the_compiled_refcount_saturates_at_its_bound_and_removals_still_count(tmp_path):
+    """Copies of one block saturate at REFS_MAX (2^31 - 1 in the real build): further stores
+    are not counted, removals are, so the interval closes after REFS_MAX removals. A build
+    with REFS_MAX=3 shows it (the reference model counts without bound)."""
+    import importlib.util
+    import shutil
+    import sysconfig
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("needs gcc to build a variant of the table")
+    source = Path(residency_table.__file__).with_name("_blocktable.c")
+    so = tmp_path / ("_blocktable" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([gcc, "-O1", "-fPIC", "-shared", "-DREFS_MAX=3", "-I" + sysconfig.get_paths()["include"],
+                    str(source), "-o", str(so)], check=True, capture_output=True, timeout=120)
+    spec = importlib.util.spec_from_file_location("kvmiss.enricher.core._blocktable", so)
+    variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variant)
+    t = variant.BlockTable(0)
+    t.store([5] * 5, 0)
+    assert t.copies(5) == 3
+    assert t.remove([5, 5], 1, 1.0) == 0 and t.copies(5) == 1
+    assert t.remove([5], 1, 1.0) == 1 and t.chain(5) == [(0, 1, False)]
+    t.store([5], 2)
+    t.store([5] * 4, 3)  # linked (a second interval): saturates the same way
+    assert t.copies(5) == 3 and t.remove([5] * 3, 4, 4.0) == 1
+    assert t.chain(5) == [(2, 4, False), (0, 1, False)]
+
+
 def test_the_index_gives_the_same_verdicts_on_the_reference_model():
     """The fallback is a whole working index, not only a table: the worked cases pass on it."""
     env = dict(os.environ, KVMISS_PURE_PYTHON_TABLE="1")
@@ -195,8 +295,9 @@ def test_the_batch_log_bisect_matches_the_standard_library(seqs, seq, times, t):
 
 
 def test_a_seq_past_the_tables_range_starts_a_fresh_view_instead_of_stopping_the_flow():
-    """2^40 batches past an epoch's first cannot be packed; such a seq is garbage that passed
-    continuity as a hole. The index keeps going with a fresh view (no residency carried over)."""
+    """2^31 batches past an epoch's first cannot be packed (`SEQ_SPAN`); such a seq is months
+    of batches or garbage that passed continuity as a hole. The index keeps going with a fresh
+    view (no residency carried over)."""
     from kvmiss.enricher.core.index import ResidencyIndex
     from kvmiss.schemas.events import BlockStored
     from kvmiss.schemas.stream import AppliedBatch, RunStart
