@@ -14,7 +14,18 @@ kvmiss's CPU over the same span (``/proc``: all its threads), as ms per 1,000 bl
 ``--scrape-hz`` adds a Prometheus-like scraper of /metrics at that rate, to show what a
 scrape costs while events flow. ``--repeat`` runs fresh processes each time.
 
+``--target dynamo`` feeds the same publisher into NVIDIA Dynamo's standalone indexer instead
+(benchmarks/dynamo_indexer.py: ``python -m dynamo.indexer`` from its own venv, ``--dynamo-python``),
+timed by its own ``kv_cache_events_applied`` counter (events its radix tree took, by outcome)
+and its process's CPU; ``--target both`` alternates fresh kvmiss and Dynamo runs, ``--repeat``
+rounds of each. Every RUN line names its target; the CPU fields are prefixed by it. Dynamo's
+tree refuses a store whose parent block it does not hold, so those targets default to
+``--stream rooted``: bench_ingest's batch shape with every store a chain from the root and
+evictions tail-first (as vLLM's free queue evicts); ``--stream bench`` is bench_ingest's own
+stream (random parents, random victims), the default for kvmiss alone.
+
     .venv/bin/python benchmarks/bench_ingest_serve.py [--batches 200000] [--repeat 3] [--scrape-hz 0]
+    .venv/bin/python benchmarks/bench_ingest_serve.py --target both [--dynamo-threads N]
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import re
 import subprocess
 import sys
@@ -32,18 +44,55 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_ingest import build_frames
+import msgspec
+from bench_ingest import (BLOCKS_PER_STORE, REMOVALS_PER_BATCH, STORES_PER_BATCH, BlockRemoved, BlockStored,
+                          EventBatch, build_frames)
 from benchlib import free_port, process_cpu_s, rss_mb
+from dynamo_indexer import DynamoIndexer, default_python
 
 _APPLIED = re.compile(rb"^kvmiss_index_batches_applied_total ([0-9.e+]+)$", re.M)
 # kvmiss before f260867 has no index counter: the stream's (advanced on the collector thread)
 _STREAM_APPLIED = re.compile(rb'^kvmiss_stream_batches_applied_total\{[^}]*\} ([0-9.e+]+)$', re.M)
 
 
-def publisher_main(conn, endpoint: str, n_batches: int) -> None:
+def build_rooted_frames(n_batches: int, seed: int = 7) -> tuple[list[list[bytes]], int]:
+    """bench_ingest.build_frames' batches (4 BlockStored of 2 blocks with token ids, 8 one-hash
+    BlockRemoved, 64 blocks resident), but each store is a chain from the root (no parent) and an
+    eviction takes a random chain's last block, so no block is removed before its child: every
+    event applies to a radix tree that checks parents (Dynamo's)."""
+    rng = random.Random(seed)
+    chains: list[list[int]] = []
+    resident, frames, events = 0, [], 0
+    for seq in range(n_batches):
+        batch_events = []
+        for _ in range(STORES_PER_BATCH):
+            hashes = [rng.getrandbits(64) for _ in range(BLOCKS_PER_STORE)]
+            tokens = [rng.randrange(150_000) for _ in range(16 * BLOCKS_PER_STORE)]
+            batch_events.append(BlockStored(
+                block_hashes=hashes, parent_block_hash=None,
+                token_ids=msgspec.Raw(msgspec.msgpack.encode(tokens)), block_size=16,
+                medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention",
+                extra_keys=[None] * BLOCKS_PER_STORE))
+            chains.append(list(hashes))  # popped below; the event keeps its own list
+            resident += len(hashes)
+        for _ in range(min(REMOVALS_PER_BATCH, resident - 64)):
+            i = rng.randrange(len(chains))
+            victim = chains[i].pop()
+            if not chains[i]:
+                chains[i] = chains[-1]
+                chains.pop()
+            resident -= 1
+            batch_events.append(BlockRemoved(block_hashes=[victim], medium="GPU", group_idx=0))
+        events += len(batch_events)
+        payload = msgspec.msgpack.encode(EventBatch(ts=1e9 + seq * 0.01, events=batch_events, dp_rank=0))
+        frames.append([b"kv@pod@model", seq.to_bytes(8, "big"), payload])
+    return frames, events
+
+
+def publisher_main(conn, endpoint: str, n_batches: int, stream: str = "bench") -> None:
     import zmq
 
-    frames, events = build_frames(n_batches)
+    frames, events = (build_rooted_frames if stream == "rooted" else build_frames)(n_batches)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
@@ -51,7 +100,7 @@ def publisher_main(conn, endpoint: str, n_batches: int) -> None:
     pub.bind(endpoint)
     conn.send(("bound", events))
     if not pub.poll(60_000):
-        conn.send(("error", "kvmiss never subscribed"))
+        conn.send(("error", "nobody subscribed"))
         return
     pub.recv()  # the subscription
     conn.recv()  # go
@@ -82,12 +131,15 @@ def scraper(port: int, hz: float, stop: threading.Event, count: list[int]) -> No
             pass
 
 
-def run_once(args) -> dict:
+def run_once(args, target: str = "kvmiss") -> dict:
+    if target == "dynamo":
+        return run_once_dynamo(args)
     ctx = multiprocessing.get_context("spawn")
     work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-ingest-"))
     pub_port, http_port, metrics_port = free_port(), free_port(), free_port()
     parent, child = ctx.Pipe()
-    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches), daemon=True)
+    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream),
+                      daemon=True)
     pub.start()
     kind, events = parent.recv()
     assert kind == "bound", events
@@ -153,12 +205,73 @@ def run_once(args) -> dict:
     per_batch = events / args.batches
     batches_s = (hi[1] - lo[1]) / (hi[0] - lo[0])
     cpu_per_1k_events_ms = (hi[2] - lo[2]) / ((hi[1] - lo[1]) * per_batch) * 1e6
-    return {"batches": args.batches, "events": events, "publisher_send_s": round(sent_s, 2),
+    return {"target": "kvmiss", "stream": args.stream, "batches": args.batches, "events": events,
+            "publisher_send_s": round(sent_s, 2),
             "applied_batches_s": round(batches_s), "applied_events_s": round(batches_s * per_batch),
             "kvmiss_cores": round((hi[2] - lo[2]) / (hi[0] - lo[0]), 2),
             "kvmiss_cpu_ms_per_1k_events": round(cpu_per_1k_events_ms, 3),
             "kvmiss_capacity_events_per_core_s": round(1e6 / cpu_per_1k_events_ms) if cpu_per_1k_events_ms else None,
             "kvmiss_python": args.kvmiss_python, "scrape_hz": args.scrape_hz, "scrapes": scrapes[0], "kvmiss_rss_mb": round(rss, 1)}
+
+
+def run_once_dynamo(args) -> dict:
+    """run_once's publisher and measurement, with Dynamo's standalone indexer as the consumer.
+    Its counter is in events (not batches): the span is 10 % to 90 % of the events."""
+    ctx = multiprocessing.get_context("spawn")
+    work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-ingest-dynamo-"))
+    pub_port = free_port()
+    parent, child = ctx.Pipe()
+    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream),
+                      daemon=True)
+    pub.start()
+    kind, events = parent.recv()
+    assert kind == "bound", events
+    dyn = DynamoIndexer(f"tcp://127.0.0.1:{pub_port}", python=args.dynamo_python, block_size=16,
+                        threads=args.dynamo_threads, log_path=work / "dynamo.log")
+    stop, scrapes = threading.Event(), [0]
+    try:
+        dyn.wait_ready()
+        time.sleep(0.5)  # as for kvmiss
+        if args.scrape_hz:
+            threading.Thread(target=scraper, args=(dyn.port, args.scrape_hz, stop, scrapes), daemon=True).start()
+        samples = []  # (monotonic, events applied, dynamo cpu s)
+        parent.send("go")
+        deadline = time.monotonic() + args.timeout_s
+        while True:
+            t, cpu = time.monotonic(), process_cpu_s(dyn.pid)
+            applied = dyn.applied()
+            samples.append((t, applied, cpu))
+            if applied >= events or time.monotonic() > deadline or dyn.proc.poll() is not None:
+                break
+            time.sleep(1 / args.sample_hz)
+        sent_s = parent.recv()[1] if parent.poll(5) else float("nan")
+        parent.send("done")
+        rss = rss_mb(dyn.pid)
+        counts, threads = dyn.counts(), dyn.threads()
+    finally:
+        stop.set()
+        dyn.stop()
+        pub.join(5)
+        if pub.is_alive():
+            pub.kill()
+    if samples[-1][1] < events:
+        raise RuntimeError(f"dynamo.indexer took {samples[-1][1]} of {events} events in {args.timeout_s} s; "
+                           f"{dyn.log_tail()}")
+    lo = next(s for s in samples if s[1] >= 0.1 * events)
+    hi = next(s for s in samples if s[1] >= 0.9 * events)
+    per_batch = events / args.batches
+    events_s = (hi[1] - lo[1]) / (hi[0] - lo[0])
+    cpu_per_1k_events_ms = (hi[2] - lo[2]) / (hi[1] - lo[1]) * 1e6
+    ok = sum(n for (_, status), n in counts.items() if status == "ok")
+    return {"target": "dynamo", "stream": args.stream, "batches": args.batches, "events": events,
+            "publisher_send_s": round(sent_s, 2),
+            "applied_batches_s": round(events_s / per_batch), "applied_events_s": round(events_s),
+            "dynamo_cores": round((hi[2] - lo[2]) / (hi[0] - lo[0]), 2),
+            "dynamo_cpu_ms_per_1k_events": round(cpu_per_1k_events_ms, 3),
+            "dynamo_capacity_events_per_core_s": round(1e6 / cpu_per_1k_events_ms) if cpu_per_1k_events_ms else None,
+            "dynamo_events_ok": ok, "dynamo_events_refused": sum(counts.values()) - ok,
+            "dynamo_threads": threads, "dynamo_python": dyn.python,
+            "scrape_hz": args.scrape_hz, "scrapes": scrapes[0], "dynamo_rss_mb": round(rss, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,10 +284,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kvmiss-python", default=sys.executable,
                         help="run kvmiss serve with this interpreter (another venv: an A/B of two builds)")
     parser.add_argument("--py-spy", metavar="PATH", help="record kvmiss serve with this py-spy (collapsed stacks)")
+    parser.add_argument("--target", choices=("kvmiss", "dynamo", "both"), default="kvmiss",
+                        help="the consumer: kvmiss serve, Dynamo's standalone indexer, or both alternately")
+    parser.add_argument("--stream", choices=("bench", "rooted"),
+                        help="bench_ingest's stream, or one whose every event Dynamo's tree applies "
+                             "(default: bench for --target kvmiss, else rooted)")
+    parser.add_argument("--dynamo-python", default=default_python(),
+                        help="the interpreter of the venv with ai-dynamo-runtime (default: $DYNAMO_PYTHON, "
+                             "else dynamo-venv/bin/python beside the repository)")
+    parser.add_argument("--dynamo-threads", type=int, help="dynamo.indexer --threads (default: its own, 4)")
     args = parser.parse_args(argv)
-    print(f"kvmiss commit {_commit()}, {os.cpu_count()} cores", flush=True)
+    args.stream = args.stream or ("bench" if args.target == "kvmiss" else "rooted")
+    targets = ["kvmiss", "dynamo"] if args.target == "both" else [args.target]
+    dynamo = f", dynamo {_dynamo_version(args.dynamo_python)}" if "dynamo" in targets else ""
+    print(f"kvmiss commit {_commit()}, {os.cpu_count()} cores{dynamo}", flush=True)
     for _ in range(args.repeat):
-        print("RUN " + json.dumps(run_once(args)), flush=True)
+        for target in targets:
+            print("RUN " + json.dumps(run_once(args, target)), flush=True)
+
+
+def _dynamo_version(python: str) -> str:
+    try:
+        return subprocess.run([python, "-c", "import importlib.metadata as m; print('ai-dynamo-runtime', "
+                               "m.version('ai-dynamo-runtime'))"], capture_output=True, text=True,
+                              timeout=60).stdout.strip() or "?"
+    except OSError:
+        return "?"
 
 
 def _commit() -> str:
