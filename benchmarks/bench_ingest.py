@@ -8,7 +8,8 @@ built once with the real encoder, then replayed in-process on one core.
     .venv/bin/python benchmarks/bench_ingest.py [--batches 20000] [--repeat 3]
 
 Reports block events/s (one event = one BlockStored or BlockRemoved) and batches/s for each
-stage cumulatively: decode only, + stream continuity, + index apply.
+stage cumulatively: decode only (the reference decoder, and the compiled reader
+collectors/_kvwire.c that the stream uses when it is built), + stream continuity, + index apply.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def stage_decode(frames):
         decode_batch(f[2])
 
 
+def stage_read(frames):
+    from kvmiss.collectors.frames import scan_batch
+    for f in frames:
+        scan_batch(f[2])
+
+
 def stage_stream(frames):
     stream = WorkerStream("w0", replay=True)
     for i, f in enumerate(frames):
@@ -91,7 +98,9 @@ def main() -> None:
     frames, events = build_frames(args.batches)
     print(f"{args.batches} batches, {events} block events "
           f"({events / args.batches:.1f} per batch, {STORES_PER_BATCH} stores x {BLOCKS_PER_STORE} blocks + removals)")
-    for name, fn in (("decode only", stage_decode), ("+ stream continuity", stage_stream),
+    from kvmiss.collectors.frames import READER_COMPILED
+    stages = [("decode only", stage_decode)] + ([("read only (compiled)", stage_read)] if READER_COMPILED else [])
+    for name, fn in (*stages, ("+ stream continuity", stage_stream),
                      ("+ index apply", stage_index)):
         s = best_of(fn, frames, args.repeat)
         print(f"{name:<22} {events / s:>12,.0f} block events/s {args.batches / s:>10,.0f} batches/s")

@@ -187,16 +187,24 @@ static inline int read_ascii(Reader *r, const char **s, uint32_t *len) {
     return 0;
 }
 
-/* Width of the integer whose first byte is b (1 + payload bytes), 0 if b starts no integer. */
-static inline int int_width(uint8_t b) {
-    if (b <= 0x7f || b >= 0xe0)
-        return 1;
-    switch (b) {
-    case 0xcc: case 0xd0: return 2;
-    case 0xcd: case 0xd1: return 3;
-    case 0xce: case 0xd2: return 5;
-    case 0xcf: case 0xd3: return 9;
-    default: return 0;
+/* Size of the fixed-size scalar a byte starts (ints, nil, bools, floats), 0 for anything
+ * else: token ids are runs of ints, skipped with a table lookup each. Filled at init. */
+static uint8_t FIXED_WIDTH[256];
+
+static void fill_fixed_width(void) {
+    for (int b = 0; b < 256; b++) {
+        uint8_t w = 0;
+        if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3)
+            w = 1;
+        else if (b == 0xcc || b == 0xd0)
+            w = 2;
+        else if (b == 0xcd || b == 0xd1)
+            w = 3;
+        else if (b == 0xce || b == 0xd2 || b == 0xca)
+            w = 5;
+        else if (b == 0xcf || b == 0xd3 || b == 0xcb)
+            w = 9;
+        FIXED_WIDTH[b] = w;
     }
 }
 
@@ -205,8 +213,8 @@ static int skip(Reader *r, int depth, int plain);
 /* The k items of an array (token ids: runs of integers, skipped without a call each). */
 static int skip_items(Reader *r, uint64_t k, int depth, int plain) {
     for (uint64_t i = 0; i < k; i++) {
-        int w = need(r, 1) ? int_width(*r->p) : 0;
-        if (w && need(r, (size_t)w)) {
+        size_t w = r->p < r->end ? FIXED_WIDTH[*r->p] : 0;
+        if (w && (size_t)(r->end - r->p) >= w) {
             r->p += w;
             continue;
         }
@@ -332,21 +340,6 @@ enum {
     F_SALT, F_LOOKAHEAD, F_DIGESTS, F_OTHER
 };
 
-static const struct {
-    const char *name;
-    uint32_t len;
-    int field;
-} FIELDS[] = {
-#define F(name, field) {name, sizeof(name) - 1, field}
-    F("type", F_TYPE), F("block_hashes", F_HASHES), F("medium", F_MEDIUM), F("group_idx", F_GROUP),
-    F("token_ids", F_TOKENS), F("block_size", F_BLOCK_SIZE), F("parent_block_hash", F_PARENT),
-    F("extra_keys", F_EXTRA_KEYS), F("kv_cache_spec_kind", F_SPEC_KIND), F("lora_id", F_LORA_ID),
-    F("lora_name", F_LORA_NAME), F("kv_cache_spec_sliding_window", F_SPEC_WINDOW),
-    F("locality", F_LOCALITY), F("ownership", F_OWNERSHIP), F("session_id", F_SESSION),
-    F("cache_salt", F_SALT), F("lookahead_token_ids", F_LOOKAHEAD), F("block_digests", F_DIGESTS),
-#undef F
-};
-
 /* Short names: a loop beats a call to memcmp (nine keys per event, every event). */
 static inline int same_bytes(const char *a, const char *b, uint32_t n) {
     for (uint32_t i = 0; i < n; i++)
@@ -356,9 +349,24 @@ static inline int same_bytes(const char *a, const char *b, uint32_t n) {
 }
 
 static inline int field_of(const char *key, uint32_t len) {
-    for (size_t i = 0; i < sizeof(FIELDS) / sizeof(FIELDS[0]); i++) /* the common names first */
-        if (FIELDS[i].len == len && same_bytes(FIELDS[i].name, key, len))
-            return FIELDS[i].field;
+#define IS(name, f) if (same_bytes(key, name, len)) return f
+    switch (len) { /* every field name of the two Structs, by length */
+    case 4: IS("type", F_TYPE); break;
+    case 6: IS("medium", F_MEDIUM); break;
+    case 7: IS("lora_id", F_LORA_ID); break;
+    case 8: IS("locality", F_LOCALITY); break;
+    case 9: IS("group_idx", F_GROUP); IS("token_ids", F_TOKENS); IS("lora_name", F_LORA_NAME);
+            IS("ownership", F_OWNERSHIP); break;
+    case 10: IS("block_size", F_BLOCK_SIZE); IS("extra_keys", F_EXTRA_KEYS); IS("session_id", F_SESSION);
+             IS("cache_salt", F_SALT); break;
+    case 12: IS("block_hashes", F_HASHES); break;
+    case 13: IS("block_digests", F_DIGESTS); break;
+    case 17: IS("parent_block_hash", F_PARENT); break;
+    case 18: IS("kv_cache_spec_kind", F_SPEC_KIND); break;
+    case 19: IS("lookahead_token_ids", F_LOOKAHEAD); break;
+    case 28: IS("kv_cache_spec_sliding_window", F_SPEC_WINDOW); break;
+    }
+#undef IS
     return F_OTHER;
 }
 
@@ -954,6 +962,7 @@ static struct PyModuleDef kvwire_module = {
 };
 
 PyMODINIT_FUNC PyInit__kvwire(void) {
+    fill_fixed_width();
     if (PyType_Ready(&EncodedEventsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&kvwire_module);

@@ -101,12 +101,13 @@ def parse_live(frames: list[bytes]) -> BatchMessage | FrameError:
     if len(frames) != 3:
         return FrameError(f"live message must have 3 frames [topic, seq, payload], got {len(frames)}")
     topic, seq_frame, payload = frames
-    seq = _seq(seq_frame, "live")
-    if isinstance(seq, FrameError):
-        return seq
-    text = _topic(topic)
-    if isinstance(text, FrameError):
-        return FrameError(text.reason, seq)
+    if len(seq_frame) != 8:  # (`_seq` and `_topic` inline: every live batch passes here)
+        return FrameError(f"live: sequence frame must be 8 bytes, got {len(seq_frame)}")
+    seq = int.from_bytes(seq_frame, "big")
+    try:
+        text = topic.decode("utf-8")
+    except UnicodeDecodeError:
+        return FrameError("topic frame is not UTF-8", seq)
     return BatchMessage(Channel.LIVE, text, seq, payload)
 
 

@@ -76,7 +76,7 @@ class WorkerStream:
         self._held = ReorderBuffer(config.buffer_limit)
         self._out: list[StreamAction] = []
         self._now: float | None = None
-        self._rate_second: int | None = None
+        self._rate_second: float | None = None
         self._rate_count = 0
         self._lags = LagWindow(config.clock_window_s)  # kept across epochs: a host's clock
         self._live_topic: str | None = None  # of the last live batch: `on_live`'s common case
@@ -123,8 +123,10 @@ class WorkerStream:
             self._out = []
             state.live_seen = message.seq
             self._apply(message, now, False)
-            self._heard(now)
-            return self._end()
+            interval = self.config.tail_probe_interval_s  # (`_heard`, inline)
+            state.probe_due = None if interval is None else now + interval
+            out, self._out = self._out, []
+            return out
         self._begin(now)
         if message.seq is None:
             bump(self.health.dropped, DropReason.FRAME_ERROR)
@@ -541,10 +543,11 @@ class WorkerStream:
         if not replayed:  # a replayed batch arrives late by design
             health.receive_lag_s = lag = recv_ts - ts
             health.receive_lag_min_s = self._lags.add(recv_ts, lag)
-        second = int(ts // 1)
-        self._rate_count = self._rate_count + 1 if second == self._rate_second else 1
+        second = ts // 1  # (a float: compared only)
+        count = self._rate_count = self._rate_count + 1 if second == self._rate_second else 1
         self._rate_second = second
-        health.peak_batches_per_s = max(health.peak_batches_per_s, self._rate_count)
+        if count > health.peak_batches_per_s:
+            health.peak_batches_per_s = count
 
     def _begin(self, now: float) -> None:
         if self.state.quarantine is not None and self._now is not None:

@@ -424,7 +424,8 @@ class ResidencyIndex:
 
     def apply(self, batch: AppliedBatch) -> None:
         view = self.current.get(batch.worker)
-        if view is None or view.epoch != batch.epoch or not view.holds_seq(batch.seq):
+        if (view is None or view.epoch != batch.epoch
+                or not (view.first_ts is None or 0 <= batch.seq - view.first_seq < SEQ_SPAN)):  # holds_seq
             # (A seq the view cannot hold -- 2^31 batches past its first, `SEQ_SPAN` -- is
             # months of a busy engine's batches, or garbage that passed continuity as a hole;
             # a fresh view keeps the flow without a guess.)
