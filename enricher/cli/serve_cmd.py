@@ -171,6 +171,13 @@ def _check(config) -> int:
 # these (benchmarks/bench_serve.py, RESULTS "GC thresholds"); the soak keeps RSS flat with them.
 GC_THRESHOLDS = (50_000, 20, 100)
 
+# How long a thread waiting for the GIL waits before the holder is asked to drop it (CPython's
+# default 5 ms). The event loop gives the GIL up at every syscall and must win it back from the
+# collector thread each time: under a full ingest an HTTP answer (accept, read, write: dozens of
+# syscalls) waited out the default interval each time, /healthz up to ~1 s
+# (benchmarks/bench_ingest_serve.py --scrape-hz 20 --scrape-path /healthz).
+SWITCH_INTERVAL_S = 0.001
+
 
 async def _serve(config) -> None:
     from kvmiss.enricher.service.serve import Service
@@ -224,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_group(args)
     config = process_config(config, args.process_index or 0)
     gc.set_threshold(*GC_THRESHOLDS)  # a process-wide policy: serve's own, not the library's
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _raise_open_files_limit()
     try:
         asyncio.run(_serve(config))

@@ -588,15 +588,26 @@ static PyObject *BlockTable_clear(BlockTable *t, PyObject *const *args, Py_ssize
 }
 
 PyDoc_STRVAR(prune_doc,
-"prune(before_ts, horizon_seq) -> list\n\n"
+"prune(before_ts, horizon_seq, limit=None) -> list\n\n"
 "Drop intervals that closed before engine time ``before_ts`` (and before batch\n"
 "``horizon_seq``, None for no such batch), with everything older of the same block.\n"
-"Resident intervals are never dropped. Returns the hashes that lost records.");
+"Resident intervals are never dropped. Returns the hashes that lost records. ``limit``:\n"
+"take at most that many entries of the retention queue (the rest wait for the next call).");
 
 static PyObject *BlockTable_prune(BlockTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "prune(before_ts, horizon_seq)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "prune(before_ts, horizon_seq, limit=None)");
         return NULL;
+    }
+    Py_ssize_t limit = PY_SSIZE_T_MAX;
+    if (nargs == 3 && args[2] != Py_None) {
+        limit = PyLong_AsSsize_t(args[2]);
+        if (limit == -1 && PyErr_Occurred())
+            return NULL;
+        if (limit < 0) {
+            PyErr_SetString(PyExc_ValueError, "limit must be >= 0 or None");
+            return NULL;
+        }
     }
     double before = PyFloat_AsDouble(args[0]);
     if (before == -1.0 && PyErr_Occurred())
@@ -611,7 +622,7 @@ static PyObject *BlockTable_prune(BlockTable *t, PyObject *const *args, Py_ssize
     PyObject *dropped = PyList_New(0);
     if (!dropped)
         return NULL;
-    while (t->ring_len && t->runs[t->run_head].ts < before) {
+    for (Py_ssize_t taken = 0; taken < limit && t->ring_len && t->runs[t->run_head].ts < before; taken++) {
         uint64_t key = ring_pop(t);
         int found;
         size_t i = probe(t, key, &found);
@@ -1309,8 +1320,58 @@ static PyObject *log_bisect_left(PyObject *module, PyObject *const *args, Py_ssi
     return ok ? PyLong_FromSsize_t(lo) : NULL;
 }
 
+/* --- the pruned-records filter's insert ---------------------------------------------------
+ * enricher/core/index.py `_BloomStage.add` (the rule: positions h1 + i*h2 over the hash's two
+ * halves) for every hash retention dropped: at a million events a second, pruning is millions
+ * of inserts, seconds of the event loop in Python. */
+
+PyDoc_STRVAR(bloom_add_doc,
+"bloom_add(bits, mask, hashes, positions) -> None\n\n"
+"_BloomStage.add for each hash of ``hashes`` (ints): set bit (h1 + i*h2) & mask of the\n"
+"bytearray ``bits`` for i < positions, h1 the low 32 bits, h2 the high 32 bits | 1.");
+
+static PyObject *bloom_add(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "bloom_add(bits, mask, hashes, positions)");
+        return NULL;
+    }
+    if (!PyByteArray_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "bits must be a bytearray");
+        return NULL;
+    }
+    uint64_t mask = PyLong_AsUnsignedLongLong(args[1]);
+    long k = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint8_t *bits = (uint8_t *)PyByteArray_AS_STRING(args[0]);
+    if (((mask >> 3) + 1) > (uint64_t)PyByteArray_GET_SIZE(args[0]) || k < 0) {
+        PyErr_SetString(PyExc_ValueError, "mask must address bits inside the bytearray");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(args[2], "hashes must be a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t h;
+        if (key_of(items[j], &h) < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        uint64_t h1 = h & 0xFFFFFFFFu, h2 = (h >> 32) | 1;
+        for (long i = 0; i < k; i++) {
+            uint64_t p = (h1 + (uint64_t)i * h2) & mask;
+            bits[p >> 3] |= (uint8_t)(1u << (p & 7));
+        }
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"bisect_left", (PyCFunction)(void (*)(void))log_bisect_left, METH_FASTCALL, bisect_doc},
+    {"bloom_add", (PyCFunction)(void (*)(void))bloom_add, METH_FASTCALL, bloom_add_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -35,7 +35,9 @@ from array import array
 from typing import Iterable, Iterator, NamedTuple
 
 from kvmiss.enricher.core.divergence import SiblingRegistry
-from kvmiss.enricher.core.residency_table import SEQ_SPAN, Applier, BlockTable, bisect_left, warn_if_not_accelerated
+from kvmiss.enricher.core.residency_table import (
+    SEQ_SPAN, Applier, BlockTable, bisect_left, bloom_add, warn_if_not_accelerated,
+)
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
@@ -117,6 +119,15 @@ class _BloomStage:
             bits[p >> 3] |= 1 << (p & 7)
         self.count += 1
 
+    def add_many(self, hashes: list[int]) -> None:
+        """`add` for each hash; in C when the table is compiled (pruning adds millions)."""
+        if bloom_add is None:
+            for h in hashes:
+                self.add(h)
+            return
+        bloom_add(self.bits, self.mask, hashes, PrunedFilter.HASHES)
+        self.count += len(hashes)
+
     def __contains__(self, block_hash: int) -> bool:
         bits = self.bits
         return all(bits[p >> 3] & (1 << (p & 7)) for p in self.positions(block_hash))
@@ -142,11 +153,18 @@ class PrunedFilter:
         self.count = 0
 
     def add(self, block_hash: int) -> None:
-        stages = self._stages
-        if not stages or stages[-1].count >= stages[-1].capacity:
-            stages.append(_BloomStage(self.FIRST_STAGE_BITS_LOG2 + len(stages)))
-        stages[-1].add(block_hash)
-        self.count += 1
+        self.add_many([block_hash])
+
+    def add_many(self, hashes: list[int]) -> None:
+        stages, done = self._stages, 0
+        while done < len(hashes):
+            if not stages or stages[-1].count >= stages[-1].capacity:
+                stages.append(_BloomStage(self.FIRST_STAGE_BITS_LOG2 + len(stages)))
+            stage = stages[-1]
+            take = hashes[done:done + stage.capacity - stage.count]
+            stage.add_many(take)
+            done += len(take)
+        self.count += len(hashes)
 
     def __contains__(self, block_hash: int) -> bool:
         return any(block_hash in stage for stage in reversed(self._stages))
@@ -280,9 +298,13 @@ class EpochView:
 
     # --- retention --------------------------------------------------------------------
 
-    def prune(self, before_ts: float) -> int:
+    def prune(self, before_ts: float, limit: int | None = None) -> tuple[int, int | None]:
         """Drop closed intervals and log entries older than ``before_ts``; returns how many
-        blocks lost records. Resident intervals are never dropped (they are current)."""
+        blocks lost records and what is left of ``limit`` (None: unlimited), the most
+        retention-queue entries to take: a share of the work, the rest on the next call (0
+        left: not finished; the batch log is then trimmed by the call that finishes).
+        Resident intervals are never dropped (they are current). Records still held past
+        ``before_ts`` are harmless: ``horizon_ts`` only says older ones may be gone."""
         cut = bisect_left(self.log_ts, before_ts)
         horizon_seq = self.log_seq[cut] if cut < len(self.log_seq) else None
         copies = self.same_step_copies  # in place: the compiled applier holds this dict
@@ -290,17 +312,22 @@ class EpochView:
             del copies[key]
         dropped = 0
         for table in self.all_tables():
-            for block_hash in table.prune(before_ts, horizon_seq):
-                self.pruned.add(block_hash)
-                dropped += 1
-        if cut:
+            if limit == 0:
+                break
+            waiting = table.retained
+            lost = table.prune(before_ts, horizon_seq, limit)
+            if limit is not None:
+                limit -= waiting - table.retained
+            self.pruned.add_many(lost)
+            dropped += len(lost)
+        if cut and limit != 0:
             del self.log_seq[:cut]
             del self.log_ts[:cut]
             del self.log_removed[:cut]
             self.log_base += cut
         if dropped or cut:
             self.horizon_ts = before_ts if self.horizon_ts is None else max(self.horizon_ts, before_ts)
-        return dropped
+        return dropped, limit
 
     def confirm_tail(self, seq: int, at: float) -> None:
         """The publisher had published nothing after batch ``seq`` when it answered a probe
@@ -420,6 +447,7 @@ class ResidencyIndex:
         self.current: dict[str, EpochView] = {}
         self.previous: dict[str, collections.deque[EpochView]] = {}
         self.tracked: set[str] = set(workers)
+        self.prune_pending = False  # a limited `prune` stopped with more due
         warn_if_not_accelerated()
 
     def apply(self, batch: AppliedBatch) -> None:
@@ -448,10 +476,20 @@ class ResidencyIndex:
     def reaches(self, view: EpochView, t: float) -> bool:
         return view.reaches(t, self.tail_margin_s)
 
-    def prune(self, now_ts: float) -> int:
+    def prune(self, now_ts: float, limit: int | None = None) -> int:
+        """Apply retention at engine time ``now_ts``; returns how many blocks lost records.
+        ``limit``: take at most that many retention-queue entries (a bounded pause for the
+        owner); `prune_pending` is then True while more are due: call again."""
         horizon = now_ts - self.retention_s
         views = [*self.current.values(), *(v for older in self.previous.values() for v in older)]
-        return sum(v.prune(horizon) for v in views)
+        dropped, self.prune_pending = 0, False
+        for view in views:
+            lost, limit = view.prune(horizon, limit)
+            dropped += lost
+            if limit == 0:
+                self.prune_pending = True
+                break
+        return dropped
 
     def views(self, worker: str) -> list[EpochView]:
         """The worker's epoch views, newest first."""

@@ -108,12 +108,14 @@ class PyBlockTable:
                 closed += 1
         return closed
 
-    def prune(self, before_ts: float, horizon_seq: int | None) -> list[int]:
+    def prune(self, before_ts: float, horizon_seq: int | None, limit: int | None = None) -> list[int]:
         """Drop intervals closed before ``before_ts`` (and before batch ``horizon_seq``),
         with everything older of the same block; never a resident interval. Returns the
-        hashes that lost records."""
-        dropped = []
-        while self._closed and self._closed[0][0] < before_ts:
+        hashes that lost records. ``limit``: take at most that many entries of the retention
+        queue; the rest wait for the next call."""
+        dropped, taken = [], 0
+        while self._closed and self._closed[0][0] < before_ts and (limit is None or taken < limit):
+            taken += 1
             _, h = self._closed.popleft()
             entry = self._records.get(h)
             if entry is None:
@@ -171,12 +173,13 @@ class PyBlockTable:
 try:
     if os.environ.get("KVMISS_PURE_PYTHON_TABLE") == "1":  # to rule the C table in or out
         raise ImportError("KVMISS_PURE_PYTHON_TABLE=1")
-    from kvmiss.enricher.core._blocktable import Applier, BlockTable, bisect_left
+    from kvmiss.enricher.core._blocktable import Applier, BlockTable, bisect_left, bloom_add
     ACCELERATED = True
 except ImportError:  # built without a C compiler: the reference model, correct but slower
     from bisect import bisect_left  # noqa: F401  (the batch log's search; boxes each probe)
     BlockTable = PyBlockTable  # type: ignore[misc,assignment]
     Applier = None  # EpochView applies events in Python (index.py `_apply_event`)
+    bloom_add = None  # PrunedFilter sets its bits in Python (index.py `_BloomStage.add`)
     ACCELERATED = False
 
 

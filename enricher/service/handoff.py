@@ -10,12 +10,17 @@ applies them and prunes the index now and then.
 from __future__ import annotations
 
 import collections
+import time
 from typing import Callable
 
 from kvmiss.collectors.continuity import Apply, StreamAction, TailConfirmed
 from kvmiss.enricher.core.index import ResidencyIndex
 
-PRUNE_EVERY_S = 5.0
+PRUNE_EVERY_S = 1.0
+# Retention-queue entries one drain prunes (~5 ms at ~250 ns each); a prune with more due goes
+# on at the next drain. At a million events a second a whole second's prune held the loop for
+# ~150 ms (benchmarks/bench_ingest_serve.py --scrape-hz: /healthz answers stalled).
+PRUNE_SHARE = 20_000
 
 
 class IndexFeed:
@@ -27,6 +32,7 @@ class IndexFeed:
         self._queue: collections.deque[Apply | tuple[str, TailConfirmed]] = collections.deque()
         self._last_prune = clock()
         self.applied = 0  # batches applied to the index so far
+        self._prune_at = 0.0  # the engine time the prune under way prunes to
 
     def put(self, worker: str, action: StreamAction) -> bool:
         """Queue what the index needs; False for a stream fact it does not (log it)."""
@@ -41,11 +47,23 @@ class IndexFeed:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def drain(self) -> None:
-        """Apply everything queued, in order; prune to the retention horizon every few seconds
-        (horizon from the newest engine time applied: the index's own clock)."""
+    def drain(self, budget_s: float | None = None) -> bool:
+        """Apply what was queued when called, in order, for at most ``budget_s`` seconds (None:
+        all of it); then prune a share towards the retention horizon, every second or while a
+        prune is under way (horizon from the newest engine time applied: the index's clock).
+
+        What is left waits for the next call: under a sustained burst the collector thread
+        adds as fast as the owner applies, and a backlog applied in one go kept the event loop
+        (OTLP, /metrics, /healthz) away for over a second. A request judged before its batches
+        are applied waits for history as it would for a late batch. Returns whether the budget
+        ran out with batches or a prune share left: call again soon, not at the next tick."""
         queue, index = self._queue, self.index
-        while queue:
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        behind = False
+        for n in range(len(queue)):
+            if deadline is not None and n & 511 == 511 and time.monotonic() > deadline:
+                behind = True
+                break
             item = queue.popleft()
             if isinstance(item, Apply):
                 index.apply(item.batch)
@@ -54,8 +72,10 @@ class IndexFeed:
                 worker, tail = item
                 index.confirm_tail(worker, tail.epoch, tail.seq, tail.at)
         now = self.clock()
-        if now - self._last_prune >= PRUNE_EVERY_S:
-            self._last_prune = now
-            newest = max((v.applied_through_ts or 0.0 for v in index.current.values()), default=0.0)
-            if newest:
-                index.prune(newest)
+        if index.prune_pending or now - self._last_prune >= PRUNE_EVERY_S:
+            if not index.prune_pending:
+                self._last_prune = now
+                self._prune_at = max((v.applied_through_ts or 0.0 for v in index.current.values()), default=0.0)
+            if self._prune_at:
+                index.prune(self._prune_at, PRUNE_SHARE)
+        return behind or index.prune_pending

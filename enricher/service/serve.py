@@ -42,6 +42,11 @@ from kvmiss.schemas.config import Config
 log = logging.getLogger("kvmiss.serve")
 
 TICK_S = 0.02  # how often applied batches are drained and pending requests judged
+# The most one drain applies before the loop serves anything else (~7k batches of a burst).
+DRAIN_BUDGET_S = 0.02
+# Batches the collector may hand over ahead of the index; past it the collector thread waits,
+# ZeroMQ's buffers fill and what a publisher then drops is a gap replay recovers.
+MAX_UNDRAINED_BATCHES = 100_000
 READY_GRACE_S = 30.0  # a stream recovering (replay) or verifying longer than this is not ready
 
 
@@ -165,11 +170,15 @@ class Service:
         this service's clock, the subscriber's); other stream facts are logged once each."""
         if not self.feed.put(worker, action):
             log.info("worker %s: %s", worker, _describe(action))
+        while len(self.feed) > MAX_UNDRAINED_BATCHES and not self._stopping:
+            time.sleep(0.001)  # the index is behind: hold the sockets, not the memory
 
-    def drain(self) -> None:
-        """Before a judging round (a request received, a tick, shutdown): the index takes
-        every batch the collector handed over, and each worker's clock is read once."""
-        self.feed.drain()
+    def drain(self, budget_s: float | None = DRAIN_BUDGET_S) -> bool:
+        """Before a judging round (a request received, a tick; shutdown: ``budget_s`` None):
+        the index takes the batches the collector handed over, for at most ``budget_s`` (a
+        burst's backlog is taken over several rounds), and each worker's clock is read once.
+        True: the budget ran out with work left (`IndexFeed.drain`)."""
+        behind = self.feed.drain(budget_s)
         clocks = self._round_clocks
         for worker in self.fleet.streams:
             clock = self.worker_clock(worker)
@@ -177,6 +186,7 @@ class Service:
                 clocks.pop(worker, None)
             else:
                 clocks[worker] = clock
+        return behind
 
     def worker_clock(self, worker: str) -> ClockOffset | None:
         """A worker's engine clock against ours for a judging round (loop thread, `drain`):
@@ -237,7 +247,7 @@ class Service:
         await self.receivers.shutdown(grace=min(5.0, timeout))
         if self._ticker is not None:
             self._ticker.cancel()
-        self.drain()
+        self.drain(None)
         self.pipeline.poll(final=True)
         for queue in self.queues:
             await queue.shutdown(timeout)
@@ -252,9 +262,10 @@ class Service:
 
     async def _tick_forever(self) -> None:
         while True:
-            self.drain()
+            behind = self.drain()
             self.pipeline.poll(self.clock())
-            await asyncio.sleep(TICK_S)
+            # A backlog the drain's budget left: back at once, after whatever else is ready.
+            await asyncio.sleep(0 if behind else TICK_S)
 
     async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None,
                       gzipped: bytes | None = None) -> ConsumeResult:

@@ -195,6 +195,30 @@ class TestRetention:
         ev = gather(index, request("A", a.ts(190)))
         assert ev.presence is Presence.ABSENT and ev.window_start is WindowStart.EPOCH_START
 
+    def test_pruning_in_bounded_shares_ends_where_one_whole_prune_does(self):
+        """The service prunes a share per drain (a bounded pause): the shares add up to one
+        whole prune -- the same records gone, the same evidence after."""
+        whole, shared = ResidencyIndex(retention_s=50), ResidencyIndex(retention_s=50)
+        a, b = WorkerFeed("A"), WorkerFeed("B")
+        plan = {s: [stored(H + s)] for s in range(0, 150, 3)}
+        plan.update({s + 1: [removed(H + s)] for s in range(0, 150, 3)})
+        for index in (whole, shared):
+            feed(index, a.batches(range(0, 200), plan))
+            feed(index, b.batches(range(0, 200), {2: [stored(H)], 9: [removed(H)]}))
+        total = whole.prune(now_ts=a.ts(199))
+        assert not whole.prune_pending and total > 7
+        shares = [shared.prune(now_ts=a.ts(199), limit=7)]
+        while shared.prune_pending:
+            shares.append(shared.prune(now_ts=a.ts(199), limit=7))
+        assert sum(shares) == total and len(shares) > 2
+        for worker in ("A", "B"):
+            w, s = whole.current[worker], shared.current[worker]
+            assert (w.horizon_ts, w.log_base, list(w.log_seq)) == (s.horizon_ts, s.log_base, list(s.log_seq))
+            assert all((h in w.pruned) == (h in s.pruned) for h in [H + k for k in range(200)])
+        for t in (a.ts(160), a.ts(190)):
+            assert gather(whole, request("A", t)) == gather(shared, request("A", t))
+            assert gather(whole, request("B", t)) == gather(shared, request("B", t))
+
     def test_a_lookup_older_than_the_horizon_is_aged_out(self):
         index, a = ResidencyIndex(retention_s=50), WorkerFeed("A")
         feed(index, a.batches(range(0, 200)))
@@ -372,3 +396,27 @@ class TestClocks:
         measured["A"] = measured["B"] = IN_BOUND  # back within: judged again
         assert attributor.attribute(request("A", t)).label is Label.ROUTING_MISS
         assert attributor.attribute(request("C", t)).label is Label.ROUTING_MISS
+
+
+def test_the_pruned_filter_sets_the_same_bits_in_bulk_as_one_by_one():
+    """`add_many` (in C with the compiled table) against `add` in Python, across the stage
+    boundaries where a full stage is followed by a larger one."""
+    import random
+
+    import kvmiss.enricher.core.index as index_module
+    from kvmiss.enricher.core.index import PrunedFilter
+
+    rng = random.Random(9)
+    hashes = [rng.getrandbits(64) for _ in range(200_000)] + [0, 2**64 - 1, 2**32, 2**32 - 1]
+    bulk, single = PrunedFilter(), PrunedFilter()
+    for start in range(0, len(hashes), 30_001):  # chunks that straddle the stages' capacity
+        bulk.add_many(hashes[start:start + 30_001])
+    compiled, index_module.bloom_add = index_module.bloom_add, None  # the Python rule
+    try:
+        for h in hashes:
+            single.add(h)
+    finally:
+        index_module.bloom_add = compiled
+    assert bulk.count == single.count == len(hashes)
+    assert [(s.count, s.bits) for s in bulk._stages] == [(s.count, s.bits) for s in single._stages]
+    assert len(bulk._stages) >= 2

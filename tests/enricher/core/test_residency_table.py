@@ -38,6 +38,7 @@ def _ops(pool: list[int]):
         st.tuples(st.just("remove"), hashes),
         st.tuples(st.just("clear"), st.just(None)),
         st.tuples(st.just("prune"), st.integers(0, 40)),
+        st.tuples(st.just("prune_some"), st.tuples(st.integers(0, 40), st.integers(0, 3))),
         st.tuples(st.just("next"), st.just(None)),
     ), max_size=120)
 
@@ -67,6 +68,12 @@ def _run(ops, pool: list[int], base: int) -> None:
         elif op == "prune":
             horizon = base + arg if arg <= seq - base else None
             assert sorted(c.prune(float(arg), horizon)) == sorted(p.prune(float(arg), horizon))
+        elif op == "prune_some":  # in bounded shares of the retention queue: a whole prune's work
+            before, limit = arg
+            horizon = base + before if before <= seq - base else None
+            shares = [c.prune(float(before), horizon, limit + 1) for _ in range(c.retained + 1)]
+            assert sorted(h for share in shares for h in share) == sorted(p.prune(float(before), horizon))
+            assert all(len(share) <= limit + 1 for share in shares)
         else:
             seq += 1
         _same(c, p, pool, seq, base)
