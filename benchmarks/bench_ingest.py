@@ -31,7 +31,7 @@ BLOCKS_PER_STORE = 2
 REMOVALS_PER_BATCH = 8
 
 
-def build_frames(n_batches: int, seed: int = 7) -> tuple[list[list[bytes]], int]:
+def build_frames(n_batches: int, seed: int = 7, ts_step: float = 0.01) -> tuple[list[list[bytes]], int]:
     rng = random.Random(seed)
     resident: list[int] = []
     frames, events = [], 0
@@ -50,7 +50,7 @@ def build_frames(n_batches: int, seed: int = 7) -> tuple[list[list[bytes]], int]
             victim = resident.pop(rng.randrange(len(resident)))
             batch_events.append(BlockRemoved(block_hashes=[victim], medium="GPU", group_idx=0))
         events += len(batch_events)
-        payload = msgspec.msgpack.encode(EventBatch(ts=1e9 + seq * 0.01, events=batch_events, dp_rank=0))
+        payload = msgspec.msgpack.encode(EventBatch(ts=1e9 + seq * ts_step, events=batch_events, dp_rank=0))
         frames.append([b"kv@pod@model", seq.to_bytes(8, "big"), payload])
     return frames, events
 

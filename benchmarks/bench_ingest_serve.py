@@ -47,7 +47,7 @@ from pathlib import Path
 import msgspec
 from bench_ingest import (BLOCKS_PER_STORE, REMOVALS_PER_BATCH, STORES_PER_BATCH, BlockRemoved, BlockStored,
                           EventBatch, build_frames)
-from benchlib import free_port, process_cpu_s, rss_mb
+from benchlib import free_port, percentile, process_cpu_s, rss_mb
 from dynamo_indexer import DynamoIndexer, default_python
 
 _APPLIED = re.compile(rb"^kvmiss_index_batches_applied_total ([0-9.e+]+)$", re.M)
@@ -55,7 +55,7 @@ _APPLIED = re.compile(rb"^kvmiss_index_batches_applied_total ([0-9.e+]+)$", re.M
 _STREAM_APPLIED = re.compile(rb'^kvmiss_stream_batches_applied_total\{[^}]*\} ([0-9.e+]+)$', re.M)
 
 
-def build_rooted_frames(n_batches: int, seed: int = 7) -> tuple[list[list[bytes]], int]:
+def build_rooted_frames(n_batches: int, seed: int = 7, ts_step: float = 0.01) -> tuple[list[list[bytes]], int]:
     """bench_ingest.build_frames' batches (4 BlockStored of 2 blocks with token ids, 8 one-hash
     BlockRemoved, 64 blocks resident), but each store is a chain from the root (no parent) and an
     eviction takes a random chain's last block, so no block is removed before its child: every
@@ -84,15 +84,15 @@ def build_rooted_frames(n_batches: int, seed: int = 7) -> tuple[list[list[bytes]
             resident -= 1
             batch_events.append(BlockRemoved(block_hashes=[victim], medium="GPU", group_idx=0))
         events += len(batch_events)
-        payload = msgspec.msgpack.encode(EventBatch(ts=1e9 + seq * 0.01, events=batch_events, dp_rank=0))
+        payload = msgspec.msgpack.encode(EventBatch(ts=1e9 + seq * ts_step, events=batch_events, dp_rank=0))
         frames.append([b"kv@pod@model", seq.to_bytes(8, "big"), payload])
     return frames, events
 
 
-def publisher_main(conn, endpoint: str, n_batches: int, stream: str = "bench") -> None:
+def publisher_main(conn, endpoint: str, n_batches: int, stream: str = "bench", engine_rate: float = 100.0) -> None:
     import zmq
 
-    frames, events = (build_rooted_frames if stream == "rooted" else build_frames)(n_batches)
+    frames, events = (build_rooted_frames if stream == "rooted" else build_frames)(n_batches, ts_step=1 / engine_rate)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
@@ -122,11 +122,17 @@ def scrape_applied(port: int) -> float:
     return sum(float(v) for v in _STREAM_APPLIED.findall(body))
 
 
-def scraper(port: int, hz: float, stop: threading.Event, count: list[int]) -> None:
+def scraper(port: int, hz: float, stop: threading.Event, count: list[int], path: str = "/metrics",
+            latencies: list[float] | None = None) -> None:
+    """GET ``path`` every 1/hz s (sequentially: a slow answer delays the next)."""
     while not stop.wait(1 / hz):
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+            t0 = time.monotonic()
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read()
             count[0] += 1
+            if latencies is not None:
+                latencies.append(time.monotonic() - t0)
+
         except OSError:
             pass
 
@@ -138,7 +144,7 @@ def run_once(args, target: str = "kvmiss") -> dict:
     work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-ingest-"))
     pub_port, http_port, metrics_port = free_port(), free_port(), free_port()
     parent, child = ctx.Pipe()
-    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream),
+    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream, args.engine_rate),
                       daemon=True)
     pub.start()
     kind, events = parent.recv()
@@ -147,11 +153,12 @@ def run_once(args, target: str = "kvmiss") -> dict:
     config.write_text(f'[otlp]\ngrpc = ""\nhttp = "127.0.0.1:{http_port}"\n[engine]\nblock_size = 16\n'
                       f'[privacy]\ndigest_key = "bench-ingest-serve-key-0001"\n'
                       f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n'
+                      f'[history]\nretention_s = {args.retention_s}\n'
                       f'[[workers]]\nid = "w0"\nendpoint = "tcp://127.0.0.1:{pub_port}"\n')
     log = open(work / "serve.log", "wb")
     serve = subprocess.Popen([args.kvmiss_python, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config),
                               "--log-level", "WARNING"], stdout=log, stderr=log)
-    stop, scrapes = threading.Event(), [0]
+    stop, scrapes, scrape_s = threading.Event(), [0], []
     try:
         for _ in range(300):
             try:
@@ -163,7 +170,8 @@ def run_once(args, target: str = "kvmiss") -> dict:
                 time.sleep(0.1)
         time.sleep(0.5)  # the SUB connects and subscribes
         if args.scrape_hz:
-            threading.Thread(target=scraper, args=(metrics_port, args.scrape_hz, stop, scrapes), daemon=True).start()
+            threading.Thread(target=scraper, args=(metrics_port, args.scrape_hz, stop, scrapes, args.scrape_path,
+                                                   scrape_s), daemon=True).start()
         spy = None
         if args.py_spy:
             spy = subprocess.Popen([args.py_spy, "record", "--pid", str(serve.pid), "--format", "raw", "--threads",
@@ -205,13 +213,15 @@ def run_once(args, target: str = "kvmiss") -> dict:
     per_batch = events / args.batches
     batches_s = (hi[1] - lo[1]) / (hi[0] - lo[0])
     cpu_per_1k_events_ms = (hi[2] - lo[2]) / ((hi[1] - lo[1]) * per_batch) * 1e6
-    return {"target": "kvmiss", "stream": args.stream, "batches": args.batches, "events": events,
+    return {"target": "kvmiss", "stream": args.stream, "engine_rate": args.engine_rate, "retention_s": args.retention_s, "batches": args.batches, "events": events,
             "publisher_send_s": round(sent_s, 2),
             "applied_batches_s": round(batches_s), "applied_events_s": round(batches_s * per_batch),
             "kvmiss_cores": round((hi[2] - lo[2]) / (hi[0] - lo[0]), 2),
             "kvmiss_cpu_ms_per_1k_events": round(cpu_per_1k_events_ms, 3),
             "kvmiss_capacity_events_per_core_s": round(1e6 / cpu_per_1k_events_ms) if cpu_per_1k_events_ms else None,
-            "kvmiss_python": args.kvmiss_python, "scrape_hz": args.scrape_hz, "scrapes": scrapes[0], "kvmiss_rss_mb": round(rss, 1)}
+            "kvmiss_python": args.kvmiss_python, "scrape_hz": args.scrape_hz, "scrape_path": args.scrape_path,
+            "scrapes": scrapes[0], "scrape_ms_p50": round(percentile(scrape_s, 50) * 1e3, 2) if scrape_s else None,
+            "scrape_ms_max": round(max(scrape_s) * 1e3, 2) if scrape_s else None, "kvmiss_rss_mb": round(rss, 1)}
 
 
 def run_once_dynamo(args) -> dict:
@@ -221,7 +231,7 @@ def run_once_dynamo(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-ingest-dynamo-"))
     pub_port = free_port()
     parent, child = ctx.Pipe()
-    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream),
+    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream, args.engine_rate),
                       daemon=True)
     pub.start()
     kind, events = parent.recv()
@@ -278,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--engine-rate", type=float, default=100.0,
+                        help="batches per second of engine time in the batches' ts (default 100). Set it near "
+                             "the send rate, with a short --retention-s, for the steady state: retention prunes "
+                             "what closed a retention ago, as on a live engine")
+    parser.add_argument("--retention-s", type=float, default=600.0, help="kvmiss [history] retention_s")
+    parser.add_argument("--scrape-path", default="/metrics", help="what the scraper GETs (/healthz: a cheap answer)")
     parser.add_argument("--scrape-hz", type=float, default=0.0, help="scrape /metrics this often meanwhile")
     parser.add_argument("--sample-hz", type=float, default=10.0, help="how often the applied count is read")
     parser.add_argument("--timeout-s", type=float, default=120.0)
