@@ -1,0 +1,237 @@
+"""Request records out of the span pipeline: one JSON line per judged request, the facts
+`kvmiss attribute` and `kvmiss whatif` read (``[export] request_records``).
+
+Each line is a `RequestRecord` (schemas/attribution.py): the request's `RequestFacts` without
+the opt-in prompt material (token ids, extra keys with their salts and adapter paths), which
+has no field there to be written into, plus the trace id. Block hashes are written: the engines
+publish them on their KV-event streams, and `kvmiss whatif` replays them.
+
+Off the hot path: `put` (the event-loop thread, from the pipeline's verdict callback) only
+builds the record and appends it to a bounded deque; a writer thread encodes what has
+accumulated every `FLUSH_INTERVAL_S` and appends it to the file with one write. Bounds, each
+with its counter (`dropped`, by reason):
+
+* ``queue_full``: more than `MAX_PENDING` records waiting (the disk is slower than the
+  traffic): the newest are dropped;
+* ``write_error``: a write, open or rotation failed (disk full, permissions): that batch is
+  dropped, the error is logged once per process and counted, and the next batch opens the
+  file again.
+
+The file is size-capped: before a line would take it past ``max_bytes`` it is renamed to
+``<path>.old`` (replacing an older one) and a new one is started, so at most twice
+``max_bytes`` are on disk. (``.old``, not ``.1``: ``serve --processes`` names process 1's
+file ``<path>.1``.) Lines are complete or absent: a crash loses at most the records
+not yet written (no fsync: these are estimates' inputs, not the spans, which the journal
+keeps).
+
+Thread contract: `put` may be called from one thread at a time (the loop's); `start`,
+`force_flush` and `shutdown` from any thread; `shutdown` is idempotent and writes what is
+queued first. After it, `put` refuses and counts (``shut_down``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from array import array
+from typing import Any
+
+import msgspec
+
+from kvmiss.schemas.attribution import RequestFacts, RequestRecord
+
+log = logging.getLogger("kvmiss.request_records")
+
+MAX_PENDING = 65_536  # records waiting for the writer thread; beyond: dropped (queue_full)
+FLUSH_INTERVAL_S = 0.2  # how often the writer thread writes what has accumulated
+MIN_MAX_BYTES = 1 << 20
+
+
+def record_of(facts: RequestFacts, trace_id: bytes | None = None) -> RequestRecord:
+    """The record of one judged request: its facts less the prompt material."""
+    return RequestRecord(
+        request_id=facts.request_id, trace_id=trace_id.hex() if trace_id else None,
+        prompt_tokens=facts.prompt_tokens, cached_tokens=facts.cached_tokens, block_size=facts.block_size,
+        worker=facts.worker, dp_rank=facts.dp_rank, lookup_time=facts.lookup_time,
+        block_hashes=facts.block_hashes, extra_key_kinds=facts.extra_key_kinds, transfers=facts.transfers,
+        instance_hint=facts.instance_hint, route_policy=facts.route_policy,
+        predicted_cached_tokens=facts.predicted_cached_tokens, finish_time=facts.finish_time,
+        output_tokens=facts.output_tokens)
+
+
+def _enc_hook(value: Any) -> Any:
+    if type(value) is array:  # a chain the wire scanner read: array('Q')
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+class RequestRecords:
+    """Appends request records to ``path`` from a writer thread (see the module docstring)."""
+
+    def __init__(self, path: str, *, max_bytes: int = 256 << 20, flush_interval_s: float = FLUSH_INTERVAL_S,
+                 max_pending: int = MAX_PENDING):
+        if max_bytes < MIN_MAX_BYTES:
+            raise ValueError(f"max_bytes must be at least {MIN_MAX_BYTES}")
+        self.path = path
+        self.rotated_path = path + ".old"
+        self.max_bytes = max_bytes
+        self.flush_interval_s = flush_interval_s
+        self.max_pending = max_pending
+        self.written = 0  # records written
+        self.rotations = 0
+        self.errors = 0  # failed opens, writes and rotations
+        self.dropped: collections.Counter[str] = collections.Counter()  # records, by reason
+        self._pending: collections.deque[RequestRecord] = collections.deque()
+        self._encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+        self._file: Any = None
+        self._size = 0
+        self._logged_error = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # force_flush / shutdown: write now
+        self._rounds_lock = threading.Condition()
+        self._rounds = 0  # writer rounds completed
+        self._round_started = 0  # the last round begun (== _rounds while the writer waits)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Open the file (an error here is the configuration's: raised, naming the key, not
+        counted) and start the writer thread."""
+        if self._thread is not None:
+            return
+        try:
+            self._open()
+        except OSError as exc:
+            raise OSError(exc.errno, f"export.request_records: cannot open {self.path}: {exc.strerror}") from None
+        self._thread = threading.Thread(target=self._run, name="kvmiss-request-records", daemon=True)
+        self._thread.start()
+
+    def put(self, facts: RequestFacts, trace_id: bytes | None = None) -> bool:
+        """Queue the record of one judged request; False (counted) when it is dropped."""
+        if self._closed:
+            self.dropped["shut_down"] += 1
+            return False
+        pending = self._pending
+        if len(pending) >= self.max_pending:
+            self.dropped["queue_full"] += 1
+            return False
+        pending.append(record_of(facts, trace_id))
+        return True
+
+    def on_verdict(self, facts: RequestFacts, verdict: Any, trace_id: bytes) -> None:
+        """`put` as the pipeline's verdict callback (the verdict is not written)."""
+        self.put(facts, trace_id)
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def force_flush(self, timeout: float = 5.0) -> bool:
+        """Write everything queued now; False if the writer did not get to it in time."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self._write_pending()
+            return not self._pending
+        with self._rounds_lock:
+            target = self._round_started + 1  # the next round to begin takes all queued so far
+            self._wake.set()
+            return self._rounds_lock.wait_for(lambda: self._rounds >= target, timeout)
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Refuse new records, write the queued ones, close the file. Idempotent; False if
+        the writer thread did not finish within ``timeout``."""
+        if self._closed:
+            return True
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                return False
+        else:
+            self._write_pending()
+        self._close()
+        return True
+
+    # --- the writer thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.flush_interval_s)
+            with self._rounds_lock:
+                self._wake.clear()
+                self._round_started = self._rounds + 1
+            stop = self._stop.is_set()  # then this round writes what was queued before shutdown
+            self._write_pending()
+            with self._rounds_lock:
+                self._rounds += 1
+                self._rounds_lock.notify_all()
+            if stop:
+                return
+
+    def _write_pending(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        lines = []
+        encode = self._encoder.encode
+        while pending:
+            lines.append(encode(pending.popleft()) + b"\n")
+        before = self.written
+        try:
+            self._write(lines)
+        except OSError as exc:
+            self.errors += 1
+            self.dropped["write_error"] += len(lines) - (self.written - before)
+            self._close()
+            if not self._logged_error:
+                self._logged_error = True
+                log.warning("request records: cannot write %s (%s): records are dropped and counted in "
+                            "kvmiss_request_records_dropped_total{reason=\"write_error\"} (logged once)",
+                            self.path, exc.strerror or type(exc).__name__)
+
+    def _write(self, lines: list[bytes]) -> None:
+        """Append ``lines``, starting a new file first wherever the next line would take the
+        current one past ``max_bytes``; the lines before a failure stay written (counted)."""
+        if self._file is None:
+            self._open()
+        start = 0
+        size = self._size
+        for i, line in enumerate(lines):
+            if size and size + len(line) > self.max_bytes:
+                self._put(lines[start:i])
+                self._rotate()
+                start, size = i, 0
+            size += len(line)
+        self._put(lines[start:])
+
+    def _put(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        data = b"".join(lines)
+        self._file.write(data)
+        self._file.flush()
+        self._size += len(data)
+        self.written += len(lines)
+
+    def _open(self) -> None:
+        self._file = open(self.path, "ab")
+        self._size = self._file.tell()
+
+    def _rotate(self) -> None:
+        self._close()
+        os.replace(self.path, self.rotated_path)
+        self.rotations += 1
+        self._open()
+
+    def _close(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
