@@ -67,6 +67,14 @@ def _enc_hook(value: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
 
+_encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+
+
+def encode_record(record: RequestRecord) -> bytes:
+    """One line of a request-records file, without its newline."""
+    return _encoder.encode(record)
+
+
 class RequestRecords:
     """Appends request records to ``path`` from a writer thread (see the module docstring)."""
 
@@ -84,7 +92,6 @@ class RequestRecords:
         self.errors = 0  # failed opens, writes and rotations
         self.dropped: collections.Counter[str] = collections.Counter()  # records, by reason
         self._pending: collections.deque[RequestRecord] = collections.deque()
-        self._encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
         self._file: Any = None
         self._size = 0
         self._logged_error = False
@@ -178,7 +185,7 @@ class RequestRecords:
         if not pending:
             return
         lines = []
-        encode = self._encoder.encode
+        encode = encode_record
         while pending:
             lines.append(encode(pending.popleft()) + b"\n")
         before = self.written
