@@ -123,11 +123,13 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     output_tokens: int | None = None
 
 
-class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     """One line of a request-records file (``[export] request_records``): a judged request's
     `RequestFacts` less the opt-in prompt material -- there is no field for token ids or
     extra keys (salts, adapter paths) -- and its trace id. `kvmiss attribute` and
-    `kvmiss whatif` read it as `RequestFacts` (the trace id is ignored there)."""
+    `kvmiss whatif` read it as `RequestFacts` (the trace id is ignored there). Never tracked
+    by the cyclic GC (``gc=False``): it holds numbers, strings and frozen structs, no cycle,
+    and thousands of them may wait for the writer."""
 
     request_id: str | None = None
     trace_id: str | None = None  # hex

@@ -6,27 +6,31 @@ the opt-in prompt material (token ids, extra keys with their salts and adapter p
 has no field there to be written into, plus the trace id. Block hashes are written: the engines
 publish them on their KV-event streams, and `kvmiss whatif` replays them.
 
-Off the hot path: `put` (the event-loop thread, from the pipeline's verdict callback) only
-builds the record and appends it to a bounded deque; a writer thread encodes what has
-accumulated every `FLUSH_INTERVAL_S` and appends it to the file with one write. Bounds, each
-with its counter (`dropped`, by reason):
+The file is written off the event loop, the encoding is batched on it: `put` (the loop
+thread, from the pipeline's verdict callback) makes the record -- never tracked by the cyclic
+GC -- and keeps it; `flush` (the service's tick, every 20 ms, or `put` once `FLUSH_RECORDS`
+wait) encodes what was kept in one call and hands the bytes to a writer thread, which alone
+touches the file. Encoding on a second thread would not take the CPU off the loop (one GIL)
+and, measured, cost twice as much: the records' facts lived on, and the two threads fought
+over the GIL (benchmarks/bench_serve.py --pipeline-only --request-records). Bounds, each with
+its counter (`dropped`, by reason):
 
-* ``queue_full``: more than `MAX_PENDING` records waiting (the disk is slower than the
-  traffic): the newest are dropped;
+* ``queue_full``: `MAX_PENDING` records already waiting to be written (the disk is slower than
+  the traffic): the newest are dropped;
 * ``write_error``: a write, open or rotation failed (disk full, permissions): that batch is
   dropped, the error is logged once per process and counted, and the next batch opens the
-  file again.
+  file again;
+* ``shut_down``: a record after `shutdown`.
 
 The file is size-capped: before a line would take it past ``max_bytes`` it is renamed to
 ``<path>.old`` (replacing an older one) and a new one is started, so at most twice
 ``max_bytes`` are on disk. (``.old``, not ``.1``: ``serve --processes`` names process 1's
-file ``<path>.1``.) Lines are complete or absent: a crash loses at most the records
-not yet written (no fsync: these are estimates' inputs, not the spans, which the journal
-keeps).
+file ``<path>.1``.) Lines are complete or absent: a crash loses at most the records not yet
+written (no fsync: these are estimates' inputs, not the spans, which the journal keeps).
 
-Thread contract: `put` may be called from one thread at a time (the loop's); `start`,
-`force_flush` and `shutdown` from any thread; `shutdown` is idempotent and writes what is
-queued first. After it, `put` refuses and counts (``shut_down``).
+Thread contract: `put`, `flush`, `force_flush` and `shutdown` from one thread at a time (the
+loop's); `shutdown` is idempotent and writes what is kept first. The counters are read from
+any thread.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from kvmiss.schemas.attribution import RequestFacts, RequestRecord
 
 log = logging.getLogger("kvmiss.request_records")
 
-MAX_PENDING = 65_536  # records waiting for the writer thread; beyond: dropped (queue_full)
-FLUSH_INTERVAL_S = 0.2  # how often the writer thread writes what has accumulated
+MAX_PENDING = 65_536  # records kept or queued, not yet written; beyond: dropped (queue_full)
+FLUSH_RECORDS = 512  # `put` encodes and hands over once this many are kept (between ticks)
+WRITE_INTERVAL_S = 0.5  # the writer thread's longest sleep (a flush wakes it at once)
 MIN_MAX_BYTES = 1 << 20
 
 
@@ -75,33 +80,46 @@ def encode_record(record: RequestRecord) -> bytes:
     return _encoder.encode(record)
 
 
-class RequestRecords:
-    """Appends request records to ``path`` from a writer thread (see the module docstring)."""
+def encode_records(records: list[RequestRecord]) -> bytes:
+    """Lines of a request-records file, each with its newline: one encoder call (half the
+    cost of encoding them one by one)."""
+    return _encoder.encode_lines(records)
 
-    def __init__(self, path: str, *, max_bytes: int = 256 << 20, flush_interval_s: float = FLUSH_INTERVAL_S,
-                 max_pending: int = MAX_PENDING):
+
+class RequestRecords:
+    """Writes request records to ``path`` (see the module docstring)."""
+
+    def __init__(self, path: str, *, max_bytes: int = 256 << 20, max_pending: int = MAX_PENDING):
         if max_bytes < MIN_MAX_BYTES:
             raise ValueError(f"max_bytes must be at least {MIN_MAX_BYTES}")
         self.path = path
         self.rotated_path = path + ".old"
         self.max_bytes = max_bytes
-        self.flush_interval_s = flush_interval_s
         self.max_pending = max_pending
+        # Counters. `written`, `rotations`, `errors` and dropped["write_error"] are the
+        # writer's; the others the owner thread's (each written by one thread only).
         self.written = 0  # records written
         self.rotations = 0
         self.errors = 0  # failed opens, writes and rotations
         self.dropped: collections.Counter[str] = collections.Counter()  # records, by reason
-        self._pending: collections.deque[RequestRecord] = collections.deque()
+        self._kept: list[RequestRecord] = []  # made by `put`, not yet encoded
+        self._accepted = 0  # records `put` took (owner thread)
+        self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()  # (lines, records) for the writer
         self._file: Any = None
         self._size = 0
         self._logged_error = False
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # force_flush / shutdown: write now
+        self._wake = threading.Event()
+        self._stopping = False
         self._rounds_lock = threading.Condition()
         self._rounds = 0  # writer rounds completed
         self._round_started = 0  # the last round begun (== _rounds while the writer waits)
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Records accepted and not yet written or dropped by the writer."""
+        return self._accepted - self.written - self.dropped["write_error"]
 
     def start(self) -> None:
         """Open the file (an error here is the configuration's: raised, naming the key, not
@@ -116,51 +134,63 @@ class RequestRecords:
         self._thread.start()
 
     def put(self, facts: RequestFacts, trace_id: bytes | None = None) -> bool:
-        """Queue the record of one judged request; False (counted) when it is dropped."""
+        """Keep the record of one judged request; False (counted) when it is dropped."""
         if self._closed:
             self.dropped["shut_down"] += 1
             return False
-        pending = self._pending
-        if len(pending) >= self.max_pending:
+        if self.queued >= self.max_pending:
             self.dropped["queue_full"] += 1
             return False
-        pending.append(record_of(facts, trace_id))
+        kept = self._kept
+        kept.append(record_of(facts, trace_id))
+        self._accepted += 1
+        if len(kept) >= FLUSH_RECORDS:
+            self.flush()
         return True
 
     def on_verdict(self, facts: RequestFacts, verdict: Any, trace_id: bytes) -> None:
         """`put` as the pipeline's verdict callback (the verdict is not written)."""
         self.put(facts, trace_id)
 
-    @property
-    def queued(self) -> int:
-        return len(self._pending)
-
-    def force_flush(self, timeout: float = 5.0) -> bool:
-        """Write everything queued now; False if the writer did not get to it in time."""
+    def flush(self) -> None:
+        """Encode the kept records (one call) and hand them to the writer, which writes them
+        at once; without a running writer (not started, or shut down), write them here."""
+        kept = self._kept
+        if kept:
+            self._kept = []
+            self._chunks.append((encode_records(kept), len(kept)))
         thread = self._thread
         if thread is None or not thread.is_alive():
-            self._write_pending()
-            return not self._pending
+            self._write_chunks()
+        elif self._chunks:
+            self._wake.set()
+
+    def force_flush(self, timeout: float = 5.0) -> bool:
+        """`flush`, and wait until the writer has written it; False if it did not in time."""
+        self.flush()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return not self._chunks
         with self._rounds_lock:
-            target = self._round_started + 1  # the next round to begin takes all queued so far
+            target = self._round_started + 1  # the next round to begin takes every chunk so far
             self._wake.set()
             return self._rounds_lock.wait_for(lambda: self._rounds >= target, timeout)
 
     def shutdown(self, timeout: float = 5.0) -> bool:
-        """Refuse new records, write the queued ones, close the file. Idempotent; False if
-        the writer thread did not finish within ``timeout``."""
+        """Refuse new records, write the kept ones, close the file. Idempotent; False if the
+        writer thread did not finish within ``timeout``."""
         if self._closed:
             return True
+        self.flush()
         self._closed = True
-        self._stop.set()
+        self._stopping = True
         self._wake.set()
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
                 return False
-        else:
-            self._write_pending()
+        self._write_chunks()  # whatever the writer did not get to (or had no thread to)
         self._close()
         return True
 
@@ -168,62 +198,61 @@ class RequestRecords:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self.flush_interval_s)
+            self._wake.wait(WRITE_INTERVAL_S)
             with self._rounds_lock:
                 self._wake.clear()
                 self._round_started = self._rounds + 1
-            stop = self._stop.is_set()  # then this round writes what was queued before shutdown
-            self._write_pending()
+            stopping = self._stopping  # then this round writes what was handed over before
+            self._write_chunks()
             with self._rounds_lock:
                 self._rounds += 1
                 self._rounds_lock.notify_all()
-            if stop:
+            if stopping:
                 return
 
-    def _write_pending(self) -> None:
-        pending = self._pending
-        if not pending:
-            return
-        lines = []
-        encode = encode_record
-        while pending:
-            lines.append(encode(pending.popleft()) + b"\n")
-        before = self.written
-        try:
-            self._write(lines)
-        except OSError as exc:
-            self.errors += 1
-            self.dropped["write_error"] += len(lines) - (self.written - before)
-            self._close()
-            if not self._logged_error:
-                self._logged_error = True
-                log.warning("request records: cannot write %s (%s): records are dropped and counted in "
-                            "kvmiss_request_records_dropped_total{reason=\"write_error\"} (logged once)",
-                            self.path, exc.strerror or type(exc).__name__)
+    def _write_chunks(self) -> None:
+        chunks = self._chunks
+        while chunks:
+            data, records = chunks.popleft()
+            before = self.written
+            try:
+                self._write(data, records)
+            except OSError as exc:
+                self.errors += 1
+                self.dropped["write_error"] += records - (self.written - before)
+                self._close()
+                if not self._logged_error:
+                    self._logged_error = True
+                    log.warning("request records: cannot write %s (%s): records are dropped and counted in "
+                                "kvmiss_request_records_dropped_total{reason=\"write_error\"} (logged once)",
+                                self.path, exc.strerror or type(exc).__name__)
 
-    def _write(self, lines: list[bytes]) -> None:
-        """Append ``lines``, starting a new file first wherever the next line would take the
-        current one past ``max_bytes``; the lines before a failure stay written (counted)."""
+    def _write(self, data: bytes, records: int) -> None:
+        """Append ``records`` lines (``data``), starting a new file first wherever the next
+        line would take the current one past ``max_bytes``; the lines before a failure stay
+        written (counted)."""
         if self._file is None:
             self._open()
-        start = 0
-        size = self._size
+        if self._size + len(data) <= self.max_bytes:  # the common case: one write
+            self._put(data, records)
+            return
+        lines = data.splitlines(keepends=True)
+        start, size = 0, self._size
         for i, line in enumerate(lines):
             if size and size + len(line) > self.max_bytes:
-                self._put(lines[start:i])
+                self._put(b"".join(lines[start:i]), i - start)
                 self._rotate()
                 start, size = i, 0
             size += len(line)
-        self._put(lines[start:])
+        self._put(b"".join(lines[start:]), len(lines) - start)
 
-    def _put(self, lines: list[bytes]) -> None:
-        if not lines:
+    def _put(self, data: bytes, records: int) -> None:
+        if not records:
             return
-        data = b"".join(lines)
         self._file.write(data)
         self._file.flush()
         self._size += len(data)
-        self.written += len(lines)
+        self.written += records
 
     def _open(self) -> None:
         self._file = open(self.path, "ab")

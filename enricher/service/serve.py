@@ -257,9 +257,12 @@ class Service:
         return self.health.port
 
     async def _tick_forever(self) -> None:
+        records = self.request_records
         while True:
             self.drain()
             self.pipeline.poll(self.clock())
+            if records is not None:
+                records.flush()  # this tick's records, encoded at once, to the writer thread
             await asyncio.sleep(TICK_S)
 
     async def consume(self, request: ExportTraceServiceRequest, body: bytes | None = None,

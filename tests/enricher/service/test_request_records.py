@@ -4,8 +4,10 @@ shutdown."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import time
 from array import array
 
 import msgspec
@@ -92,7 +94,7 @@ def test_a_chain_read_from_the_wire_is_written_as_numbers(tmp_path):
 
 def test_the_file_is_rotated_before_it_would_pass_max_bytes_and_one_old_file_is_kept(tmp_path):
     path = tmp_path / "requests.jsonl"
-    records = RequestRecords(str(path), max_bytes=1 << 20, flush_interval_s=0.01)
+    records = RequestRecords(str(path), max_bytes=1 << 20)
     records.start()
     chain = list(range(2**60, 2**60 + 64))
     line = len(msgspec.json.encode(record_of(facts(block_hashes=chain)))) + 1
@@ -124,7 +126,7 @@ def test_beyond_the_queue_bound_records_are_dropped_and_counted(tmp_path):
 
 
 def test_write_errors_are_counted_and_logged_once(caplog):
-    records = RequestRecords("/dev/full", flush_interval_s=0.01)  # every write: no space left
+    records = RequestRecords("/dev/full")  # every write: no space left
     records.start()
     with caplog.at_level(logging.WARNING, logger="kvmiss.request_records"):
         for i in range(3):
@@ -142,3 +144,20 @@ def test_a_path_that_cannot_be_opened_fails_at_start(tmp_path):
         RequestRecords(str(tmp_path / "no-such-dir" / "r.jsonl")).start()
     with pytest.raises(ValueError, match="max_bytes"):
         RequestRecords(str(tmp_path / "r.jsonl"), max_bytes=1000)
+
+
+def test_records_are_handed_to_the_writer_in_batches_without_waiting_for_a_flush(tmp_path):
+    from kvmiss.enricher.service import request_records
+
+    records = RequestRecords(str(tmp_path / "r.jsonl"))
+    records.start()
+    for i in range(request_records.FLUSH_RECORDS - 1):
+        records.put(facts(i))
+    assert records.queued == request_records.FLUSH_RECORDS - 1 and records.written == 0  # kept, not encoded yet
+    records.put(facts(-1))  # the batch is full: encoded and handed over at once
+    deadline = time.monotonic() + 5
+    while records.written < request_records.FLUSH_RECORDS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert records.written == request_records.FLUSH_RECORDS and records.queued == 0
+    assert not gc.is_tracked(record_of(facts()))  # thousands may wait: none is the cyclic GC's work
+    records.shutdown()
