@@ -28,9 +28,10 @@ The file is size-capped: before a line would take it past ``max_bytes`` it is re
 file ``<path>.1``.) Lines are complete or absent: a crash loses at most the records not yet
 written (no fsync: these are estimates' inputs, not the spans, which the journal keeps).
 
-Thread contract: `put`, `flush`, `force_flush` and `shutdown` from one thread at a time (the
-loop's); `shutdown` is idempotent and writes what is kept first. The counters are read from
-any thread.
+Thread contract: `put`, `flush`, `force_flush` and `shutdown` may be called from any thread
+(the loop's, a test's, an SDK exporter's); a lock keeps a record from being encoded twice or
+lost between them. `shutdown` is idempotent and writes what is kept first. The counters are
+read from any thread.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class RequestRecords:
         self.errors = 0  # failed opens, writes and rotations
         self.dropped: collections.Counter[str] = collections.Counter()  # records, by reason
         self._kept: list[RequestRecord] = []  # made by `put`, not yet encoded
+        self._kept_lock = threading.Lock()  # `_kept`, `_accepted` and the hand-over of kept records
         self._accepted = 0  # records `put` took (owner thread)
         self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()  # (lines, records) for the writer
         self._file: Any = None
@@ -138,13 +140,15 @@ class RequestRecords:
         if self._closed:
             self.dropped["shut_down"] += 1
             return False
-        if self.queued >= self.max_pending:
-            self.dropped["queue_full"] += 1
-            return False
-        kept = self._kept
-        kept.append(record_of(facts, trace_id))
-        self._accepted += 1
-        if len(kept) >= FLUSH_RECORDS:
+        record = record_of(facts, trace_id)
+        with self._kept_lock:
+            if self.queued >= self.max_pending:
+                self.dropped["queue_full"] += 1
+                return False
+            self._kept.append(record)
+            self._accepted += 1
+            full = len(self._kept) >= FLUSH_RECORDS
+        if full:
             self.flush()
         return True
 
@@ -155,10 +159,10 @@ class RequestRecords:
     def flush(self) -> None:
         """Encode the kept records (one call) and hand them to the writer, which writes them
         at once; without a running writer (not started, or shut down), write them here."""
-        kept = self._kept
-        if kept:
-            self._kept = []
-            self._chunks.append((encode_records(kept), len(kept)))
+        with self._kept_lock:
+            kept, self._kept = self._kept, []
+            if kept:  # handed over under the lock: chunks stay in the order records came
+                self._chunks.append((encode_records(kept), len(kept)))
         thread = self._thread
         if thread is None or not thread.is_alive():
             self._write_chunks()
