@@ -422,19 +422,31 @@ def pipeline_only(args) -> None:
         pipeline.poll()
 
     best = float("inf")
+    written = 0
     for _ in range(args.repeat):
+        records = None
+        if args.request_records:  # its writer thread's CPU counts too: process_time is the process's
+            from kvmiss.enricher.service.request_records import RequestRecords
+
+            records = RequestRecords(os.path.join(tempfile.mkdtemp(prefix="kvmiss-bench-records-"), "requests.jsonl"))
+            records.start()
         pipeline = Pipeline(Attributor(index, DigestKey("bench-serve-digest-key-0001")), Discard(),
                             clock=time.monotonic, judge_on_arrival=True,
-                            pool_blocks={f"w{w}": args.pool_blocks for w in range(args.workers)})
+                            pool_blocks={f"w{w}": args.pool_blocks for w in range(args.workers)},
+                            on_verdict=records.on_verdict if records else None)
         requests = [ExportTraceServiceRequest.FromString(b) for b in bodies]
         gc.collect()
         t0 = time.process_time()
         asyncio.run(consume_all(requests, pipeline))
+        if records is not None:
+            records.shutdown()  # every record written, within the time measured
+            written = records.written
         best = min(best, time.process_time() - t0)
         assert pipeline.pending_spans == 0, "every request should have been judged on arrival"
     spans = args.batches * SPANS_PER_BATCH
     estimated = sum(pipeline.stats.whatif_evicted_tokens.values())
     whatif = f", what-if at pool_blocks {args.pool_blocks}: {estimated:,} evicted tokens estimated" if args.pool_blocks else ""
+    whatif += f", {written:,} request records written" if args.request_records else ""
     print(f"Pipeline.consume alone (judge_on_arrival, {args.workers} workers' population, {args.batches} batches, "
           f"best of {args.repeat}{whatif}): {best / spans * 1e6:.1f} us CPU/span, {best / args.batches * 1e3:.1f} ms/batch")
 
@@ -492,6 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--journal", action="store_true",
                         help="run kvmiss serve with the write-ahead journal ([export] journal, in the temp dir)")
+    parser.add_argument("--request-records", action="store_true",
+                        help="write a request record per judged request ([export] request_records, in the temp dir)")
     parser.add_argument("--pool-blocks", type=int, default=0,
                         help="each worker's [[workers]] pool_blocks: what-if estimates on evicted misses (0: off)")
     parser.add_argument("--processes", type=int, default=1,
@@ -537,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
         workers = "".join(f'[[workers]]\nid = "w{w}"\nendpoint = "{ep}"\n{pool}' for w, ep in enumerate(endpoints))
         config = work / "kvmiss.toml"
         journal = f'journal = "{work / "journal"}"\n' if args.journal else ""
+        if args.request_records:
+            journal += f'request_records = "{work / "requests.jsonl"}"\n'
         config.write_text(f'[otlp]\ngrpc = ""\nhttp = "127.0.0.1:{http_port}"\n[export]\n{journal}'
                           f'endpoint = "http://127.0.0.1:{sink_port}"\n[engine]\nblock_size = {BLOCK}\n'
                           f'[privacy]\ndigest_key = "bench-serve-digest-key-0001"\n'
@@ -652,7 +668,8 @@ def report(args, results, metrics, tally, population_s, pop_batches, all_batches
 
     print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs; "
           f"protobuf {google.protobuf.__version__} ({api_implementation.Type()}); journal "
-          f"{'on' if args.journal else 'off'}, processes {args.processes}")
+          f"{'on' if args.journal else 'off'}, request records {'on' if args.request_records else 'off'}, "
+          f"processes {args.processes}")
     blocks = args.workers * (RESIDENT_STEPS + EVICTED_STEPS) * 64
     print(f"population: {args.workers} workers x {(RESIDENT_STEPS + EVICTED_STEPS) * 64:,} blocks stored "
           f"({EVICTED_STEPS * 64:,} then evicted), {pop_batches:,} batches, {blocks:,} blocks, applied in {population_s:.1f} s; "

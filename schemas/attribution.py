@@ -123,6 +123,32 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     output_tokens: int | None = None
 
 
+class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """One line of a request-records file (``[export] request_records``): a judged request's
+    `RequestFacts` less the opt-in prompt material -- there is no field for token ids or
+    extra keys (salts, adapter paths) -- and its trace id. `kvmiss attribute` and
+    `kvmiss whatif` read it as `RequestFacts` (the trace id is ignored there). Never tracked
+    by the cyclic GC (``gc=False``): it holds numbers, strings and frozen structs, no cycle,
+    and thousands of them may wait for the writer."""
+
+    request_id: str | None = None
+    trace_id: str | None = None  # hex
+    prompt_tokens: int
+    cached_tokens: int
+    block_size: int
+    worker: str | None = None
+    dp_rank: int | None = None
+    lookup_time: float | None = None
+    block_hashes: list[int] | None = None  # what the engines publish on their KV-event streams
+    extra_key_kinds: tuple[str, ...] = ()
+    transfers: tuple[TransferAttempt, ...] = ()
+    instance_hint: str | None = None
+    route_policy: str | None = None
+    predicted_cached_tokens: int | None = None
+    finish_time: float | None = None
+    output_tokens: int | None = None
+
+
 class TierHolding(msgspec.Struct, frozen=True):
     """H held on an offload tier of the chosen worker at t, with continuous history."""
 

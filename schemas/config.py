@@ -112,6 +112,13 @@ class ExportConfig(_Section):
     # Group commit: one fsync covers every body written while the previous one ran; this is the
     # least time between two (0: as fast as the disk allows).
     journal_sync_interval_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = 0.0
+    # A file: one JSON line per judged request, the request records `kvmiss attribute` and
+    # `kvmiss whatif` read (enricher/service/request_records.py). No token ids, extra keys,
+    # salts or adapter paths are written; block hashes are.
+    request_records: str | None = None
+    # Before it would grow past this the file is renamed to <file>.old (replacing an older one):
+    # at most twice this on disk.
+    request_records_max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
 
 
 class EngineConfig(_Section):

@@ -37,6 +37,10 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         default_factory=lambda: ["kvmiss.lookup_time_unix_nano"])
     time_in_queue_s: list[str] = msgspec.field(
         default_factory=lambda: ["gen_ai.latency.time_in_queue"])
+    # For what-if sizing only (`kvmiss whatif`), never for a verdict: the tokens the request
+    # generated (vLLM's `llm_request` carries the older name; the GenAI conventions the newer).
+    output_tokens: list[str] = msgspec.field(
+        default_factory=lambda: ["gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"])
     transfer_result: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.result"])
     transfer_source: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.source"])
     recomputed_tokens: list[str] = msgspec.field(

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay-size": ("replay_size_cmd", "minimum replay window (batches) for a peak rate and outage"),
     "demo": ("demo_cmd", "run a simulated vLLM fleet through the real pipeline and show why requests missed"),
     "whatif": ("whatif_cmd", "what-if cache sizing: the hit ratio a larger pool would have given (an estimate)"),
+    "requests": ("requests_cmd", "request records (for attribute and whatif) from spans in OTLP/JSON files"),
     "report": ("report_cmd", "render the HTML report from attribution records or enriched OTLP-JSON spans"),
 }
 

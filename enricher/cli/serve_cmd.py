@@ -14,6 +14,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -48,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="json: one object per line (ts, level, logger, msg) for log pipelines")
     parser.add_argument("--processes", type=int, default=1,
                         help="run N serve processes, each following the whole fleet; process i listens on "
-                             "the configured ports + i (OTLP gRPC, HTTP, metrics) and writes [export] file "
-                             "and journal with suffix .i: list all N in the Collector's trace-id load balancer")
+                             "the configured ports + i (OTLP gRPC, HTTP, metrics) and writes [export] file, "
+                             "journal and request_records with suffix .i: list all N in the Collector's trace-id "
+                             "load balancer")
     parser.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -63,8 +65,8 @@ def _with_overrides(config, args):
 
 def process_config(config, index: int):
     """The configuration of process ``index`` of a ``--processes`` group: every listen port
-    moved up by ``index`` (port 0 stays 0: any free port), and its own export file and
-    journal, so no two processes share a port or a file."""
+    moved up by ``index`` (port 0 stays 0: any free port), and its own export file, journal
+    and request-records file, so no two processes share a port or a file."""
     from kvmiss.enricher.otlp.receiver import parse_listen
 
     if index == 0:
@@ -83,7 +85,8 @@ def process_config(config, index: int):
         otlp=msgspec.structs.replace(config.otlp, grpc=moved(config.otlp.grpc), http=moved(config.otlp.http)),
         metrics=msgspec.structs.replace(config.metrics, listen=moved(config.metrics.listen)),
         export=msgspec.structs.replace(export, file=export.file and f"{export.file}.{index}",
-                                       journal=export.journal and f"{export.journal}.{index}"))
+                                       journal=export.journal and f"{export.journal}.{index}",
+                                       request_records=export.request_records and f"{export.request_records}.{index}"))
 
 
 def _run_group(args: argparse.Namespace) -> int:
@@ -145,9 +148,15 @@ def _check(config) -> int:
         print(f"kvmiss serve: export: {exc}", file=sys.stderr)
         return 2
     export = " + ".join(filter(None, (config.export.endpoint, config.export.file))) or "none configured"
+    records = config.export.request_records
+    if records and not os.path.isdir(os.path.dirname(records) or "."):
+        print(f"kvmiss serve: export.request_records: {os.path.dirname(records)} is not a directory", file=sys.stderr)
+        return 2
     lines = [
         f"otlp: grpc {config.otlp.grpc}, http {config.otlp.http}",
         f"export: {export}",
+        f"request records: {records} (renamed to .old at {config.export.request_records_max_bytes / (1 << 20):g} MiB)"
+        if records else "request records: off",
         f"metrics: {config.metrics.listen}",
         f"engine: {config.engine.hash_algo}, seed {config.engine.hash_seed!r}, block size {config.engine.block_size}",
         f"history: retention {config.history.retention_s:g} s, wait {config.history.wait_s:g} s",

@@ -3,8 +3,8 @@
 The configuration is written as a TOML file in the output directory (so a user can see,
 and reuse, what kvmiss ran with) and parsed by the same `parse_config` as `kvmiss serve
 --config`: the simulated workers with their real PUB and replay endpoints, OTLP receivers
-on free loopback ports, export to an OTLP/JSON-lines file, and short history and assembly
-waits so the demo ends quickly.
+on free loopback ports, export to an OTLP/JSON-lines file, request records (`[export]
+request_records`), and short history and assembly waits so the demo ends quickly.
 
 Three taps watch the service without changing what it decides:
   * the collector's sink (collector thread): stream facts for the report's timeline, and
@@ -12,7 +12,10 @@ Three taps watch the service without changing what it decides:
   * the pipeline's ``on_verdict`` (loop thread): attribution records for `kvmiss report
     --records`, and, for a verdict the simulator knows to be wrong, what the index held;
   * the residency index keeps divergence detail (siblings under each parent), which
-    `kvmiss serve` has no configuration key for yet.
+    `kvmiss serve` has no configuration key for yet;
+  * the collector records every message it receives, as `kvmiss collect --record` would
+    beside a deployed `kvmiss serve`: with the request records, the input `kvmiss whatif`
+    and `kvmiss attribute` replay.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import msgspec
 from kvmiss.collectors.continuity import (
     Apply, EpochUncertain, Hole, NewEpoch, Quarantine, Release, StreamAction,
 )
+from kvmiss.collectors.recording import RecordingWriter
 from kvmiss.enricher.core.index import GPU, canonical_medium
 from kvmiss.enricher.core.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.enricher.service.serve import Service
@@ -41,12 +45,13 @@ SPECULATIVE_TTL_S = 2.0
 
 
 def demo_config(workers: dict[str, tuple[str, str]], export_file: Path, digest_key: str,
-                block_size: int, pool_blocks: int = 0) -> str:
+                block_size: int, pool_blocks: int = 0, request_records: Path | None = None) -> str:
     """The kvmiss.toml the demo runs: ``workers`` maps id -> (endpoint, replay endpoint)."""
     lines = [
         "# Written by `kvmiss demo`: the configuration its in-process `kvmiss serve` ran with.",
         "[otlp]", 'grpc = "127.0.0.1:0"', 'http = "127.0.0.1:0"',
         "[export]", f"file = {_toml_str(str(export_file))}",
+        *([f"request_records = {_toml_str(str(request_records))}"] if request_records else []),
         "[engine]", 'hash_algo = "sha256"', f"block_size = {block_size}",
         "[privacy]", f"digest_key = {_toml_str(digest_key)}",
         "[metrics]", 'listen = "127.0.0.1:0"',
@@ -132,8 +137,11 @@ class KvmissHost:
     """A `Service` on its own thread, as `kvmiss serve` runs it, plus the demo's taps."""
 
     def __init__(self, config_text: str, config_path: Path, *, records: Path,
-                 speculation: Speculation, diagnose: Callable[[Service, RequestFacts, Verdict], None]):
+                 speculation: Speculation, diagnose: Callable[[Service, RequestFacts, Verdict], None],
+                 events: Path | None = None):
         config_path.write_text(config_text)
+        self.events = events  # where the collector records what it receives (None: nowhere)
+        self.recorder: RecordingWriter | None = None
         self.config: Config = parse_config(config_text, source=str(config_path))
         self.speculation, self.diagnose = speculation, diagnose
         self.streams = StreamLog()
@@ -185,6 +193,8 @@ class KvmissHost:
         self._started.set()
         await self._stop.wait()
         await service.shutdown()
+        if self.recorder is not None:  # the collector thread, its only writer, has stopped
+            self.recorder.close()
 
     def _tap(self, service: Service) -> None:
         # Epoch views take the flag when their first batch is applied: none has been yet.
@@ -202,6 +212,8 @@ class KvmissHost:
             forward(worker, action)
 
         service.fleet.sink = sink
+        if self.events is not None:
+            self.recorder = service.subscriber.recorder = RecordingWriter(self.events)
         chained = service.pipeline.on_verdict
 
         def on_verdict(facts: RequestFacts, verdict: Verdict, trace_id: bytes) -> None:

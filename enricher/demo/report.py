@@ -140,6 +140,8 @@ class DemoReport:
             out += [f"what-if (an estimate, never a label): of {whatif['evicted_tokens']} tokens lost to evictions, "
                     f"a larger pool would have kept {shares}"
                     + (f"; {most}x the pool recovers most of them" if most else "; no size up to 8x recovers most")]
+        if summary.get("whatif_command"):
+            out += [f"replay the pool at other sizes: {summary['whatif_command']}"]
         spec = summary["route_to_stored"]
         out += ["", f"route-to-BlockStored: p50 {spec['p50_ms']} ms, p95 {spec['p95_ms']} ms, "
                 f"p99 {spec['p99_ms']} ms ({spec['confirmed']} speculative entries confirmed, "
@@ -162,6 +164,11 @@ class DemoReport:
         privacy = ("no raw prompt material" if not summary["raw_material_in_export"]
                    else "RAW PROMPT MATERIAL FOUND")
         out.append(f"exported spans checked: {privacy} (kvmiss.token_ids, kvmiss.extra_keys, salts)")
+        if "raw_material_in_request_records" in summary:
+            privacy = ("no raw prompt material" if not summary["raw_material_in_request_records"]
+                       else "RAW PROMPT MATERIAL FOUND")
+            out.append(f"request records checked: {privacy} ({summary['request_records']} in "
+                       f"{summary['request_records_file']})")
         out.append(f"report: {summary['report_path']}")
         return "\n".join(out)
 

@@ -50,6 +50,8 @@ PROGRESS_EVERY = 100
 READ_BACK_S = 10.0  # beyond the waits, how long the last enriched spans may take
 DEMO_DIGEST_SECRET = "kvmiss-demo: not a deployment secret"
 ENRICHED = "enriched.otlp.jsonl"
+REQUEST_RECORDS = "requests.jsonl"  # [export] request_records: for kvmiss whatif / attribute
+EVENTS = "events.rec"  # what the collector received, as `kvmiss collect --record` writes it
 RAW_MARKERS = ("kvmiss.token_ids", "kvmiss.extra_keys", "salt-", "/adapters/")
 
 
@@ -80,7 +82,7 @@ def run_demo(options: DemoOptions, log: IO[str] = sys.stderr) -> tuple[dict[str,
     started = time.monotonic()
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (ENRICHED, "attributions.jsonl", "report.html"):
+    for stale in (ENRICHED, "attributions.jsonl", "report.html", REQUEST_RECORDS, REQUEST_RECORDS + ".old", EVENTS):
         (out / stale).unlink(missing_ok=True)
 
     def say(text: str) -> None:
@@ -106,9 +108,10 @@ def run_demo(options: DemoOptions, log: IO[str] = sys.stderr) -> tuple[dict[str,
             sim.start()
         endpoints = {w: (f"tcp://127.0.0.1:{s.pub_port}", f"tcp://127.0.0.1:{s.replay_port}")
                      for w, s in sims.items()}
-        host = KvmissHost(demo_config(endpoints, out / ENRICHED, DEMO_DIGEST_SECRET, BLOCK_SIZE, NUM_BLOCKS),
+        host = KvmissHost(demo_config(endpoints, out / ENRICHED, DEMO_DIGEST_SECRET, BLOCK_SIZE, NUM_BLOCKS,
+                                      request_records=out / REQUEST_RECORDS),
                           out / "kvmiss.toml", records=out / "attributions.jsonl",
-                          speculation=speculation, diagnose=_diagnoser(by_id, diagnoses))
+                          speculation=speculation, diagnose=_diagnoser(by_id, diagnoses), events=out / EVENTS)
         service = host.start()
         emitter = SpanEmitter(service.receivers.grpc_port, service.receivers.http_port, BLOCK_SIZE)
         say(f"phase: kvmiss serve running in-process (config {out / 'kvmiss.toml'}): OTLP gRPC "
@@ -141,6 +144,8 @@ def run_demo(options: DemoOptions, log: IO[str] = sys.stderr) -> tuple[dict[str,
     stats = service.pipeline.stats
     rows = load_spans(out / ENRICHED)
     raw = any(marker in (out / ENRICHED).read_text() for marker in RAW_MARKERS)
+    records_text = (out / REQUEST_RECORDS).read_text() if (out / REQUEST_RECORDS).exists() else ""
+    raw_records = any(marker in records_text for marker in RAW_MARKERS + ('"token_ids"', '"extra_keys"'))
     extra = {
         "seed": options.seed, "workers": len(ids), "faults": sorted(options.faults),
         "fault_events": [f"tick {e.tick} {e.worker}: {e.action}: {e.note}" for e in plan],
@@ -151,6 +156,10 @@ def run_demo(options: DemoOptions, log: IO[str] = sys.stderr) -> tuple[dict[str,
         "route_to_stored": speculation.summary(), "history_wait_s": HISTORY_WAIT_S,
         "assemble_wait_s": ASSEMBLE_WAIT_S,
         "whatif": whatif_summary(stats),
+        "request_records_file": str(out / REQUEST_RECORDS), "events_recording": str(out / EVENTS),
+        "request_records": len(records_text.splitlines()), "raw_material_in_request_records": raw_records,
+        "whatif_command": f"kvmiss whatif --events {out / EVENTS} --requests {out / REQUEST_RECORDS} "
+                          f"--pool-blocks {NUM_BLOCKS}",
     }
     summary = report.as_json(service.fleet.streams, extra)
     context = report_context(summary, host.streams, faults, speculation, UNKNOWN_BUDGET)

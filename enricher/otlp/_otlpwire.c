@@ -31,7 +31,7 @@
  *   (resource index, scope index, span index, trace id, values dict | None (a block-hash
  *    chain in it as array('Q')),
  *    marks list of (attribute position, key) | None, attribute count, raw-mark count,
- *    start_time_unix_nano, is engine lookup)
+ *    start_time_unix_nano, end_time_unix_nano, is engine lookup)
  * for each span with at least one attribute of interest, in wire order; or None.
  * count_spans(body) -> (spans, spans with a trace id not 16 bytes or a span id not 8) | None
  * encode_attributes(values) -> the Span.attributes bytes of str -> str/int/bool/float, or None
@@ -459,7 +459,7 @@ static int scan_attribute(const Scanner *s, Cursor kv, SpanState *st) {
 }
 
 static PyObject *span_hit(const Scanner *s, SpanState *st, Py_ssize_t r, Py_ssize_t sc, Py_ssize_t i,
-                          Cursor trace_id, uint64_t start, Cursor name) {
+                          Cursor trace_id, uint64_t start, uint64_t end, Cursor name) {
     PyObject *values;
     if (st->deferred) {
         values = Py_NewRef(Py_None);
@@ -479,9 +479,9 @@ static PyObject *span_hit(const Scanner *s, SpanState *st, Py_ssize_t r, Py_ssiz
     int lookup = name.p && name.end - name.p == lookup_len &&
                  memcmp(name.p, PyBytes_AS_STRING(s->lookup_name), (size_t)lookup_len) == 0;
     PyObject *trace = PyBytes_FromStringAndSize((const char *)trace_id.p, trace_id.p ? trace_id.end - trace_id.p : 0);
-    PyObject *hit = trace ? Py_BuildValue("(nnnNNOnnKO)", r, sc, i, trace, values, st->marks ? st->marks : Py_None,
+    PyObject *hit = trace ? Py_BuildValue("(nnnNNOnnKKO)", r, sc, i, trace, values, st->marks ? st->marks : Py_None,
                                           st->attributes, st->raw, (unsigned long long)start,
-                                          lookup ? Py_True : Py_False)
+                                          (unsigned long long)end, lookup ? Py_True : Py_False)
                           : NULL;
     if (!trace)
         Py_DECREF(values);
@@ -496,7 +496,7 @@ static int scan_span(const Scanner *s, Cursor c, PyObject *out, Py_ssize_t r, Py
     st.deferred = st.interesting = 0;
     memset(st.values, 0, sizeof(PyObject *) * (size_t)s->n_facts);
     Cursor trace_id = {NULL, NULL}, name = {NULL, NULL};
-    uint64_t start = 0;
+    uint64_t start = 0, end = 0;
     int rc = OK;
     while (c.p < c.end && rc == OK) {
         uint32_t field;
@@ -508,11 +508,11 @@ static int scan_span(const Scanner *s, Cursor c, PyObject *out, Py_ssize_t r, Py
         if (field == 1 || field == 5) { /* trace_id, name: the last one wins, as in upb */
             if (wt != WT_LEN || read_len(&c, field == 1 ? &trace_id : &name) != OK)
                 rc = BAIL;
-        } else if (field == 7) { /* start_time_unix_nano */
+        } else if (field == 7 || field == 8) { /* start_time_unix_nano, end_time_unix_nano */
             if (wt != WT_I64 || c.end - c.p < 8) {
                 rc = BAIL;
             } else {
-                start = load64(c.p);
+                *(field == 7 ? &start : &end) = load64(c.p);
                 c.p += 8;
             }
         } else if (field == 9) { /* attributes */
@@ -526,7 +526,7 @@ static int scan_span(const Scanner *s, Cursor c, PyObject *out, Py_ssize_t r, Py
         }
     }
     if (rc == OK && st.interesting) {
-        PyObject *hit = span_hit(s, &st, r, sc, i, trace_id, start, name);
+        PyObject *hit = span_hit(s, &st, r, sc, i, trace_id, start, end, name);
         if (!hit || PyList_Append(out, hit) < 0)
             rc = FAIL;
         Py_XDECREF(hit);

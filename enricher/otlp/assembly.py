@@ -77,9 +77,10 @@ class Assembly(msgspec.Struct):
 
     def merged(self) -> SpanFacts:
         """Field by field, the first fragment that has a value wins -- except that an engine
-        lookup span's measured facts (`ENGINE_FACTS`) beat everyone's; an explicit lookup
-        time beats one derived from queue time. (Never the transfer, which `transfers`
-        collects, nor ``engine_lookup``.)"""
+        lookup span's measured facts (`ENGINE_FACTS`) beat everyone's, and vLLM's
+        ``llm_request`` gives the what-if facts (`FINISH_FACTS`); an explicit lookup time
+        beats one derived from queue time. (Never the transfer, which `transfers` collects,
+        nor ``engine_lookup``.)"""
         return SpanFacts(**self.merged_fields())
 
     def merged_fields(self) -> dict[str, Any]:
@@ -106,6 +107,13 @@ class Assembly(msgspec.Struct):
             for field in ENGINE_FACTS:
                 if field in fields:
                     found[field] = fields[field]
+        for fragment in fragments:
+            fields = fragment.set_fields()
+            if "queue_lookup_time" in fields and not fragment.facts.engine_lookup:  # vLLM's llm_request
+                for field in FINISH_FACTS:
+                    if field in fields:
+                        found[field] = fields[field]
+                break
         # The engine's chain stops at its own first miss; a router's cached count may reach
         # further (tokens loaded from elsewhere): then the longer chain is the usable one.
         longest = found.get("block_hashes")
@@ -174,6 +182,12 @@ _FIELDS = SpanFacts.__struct_fields__
 
 # Measured by the engine at the lookup itself: an engine lookup span's value wins.
 ENGINE_FACTS = ("lookup_time", "block_hashes", "block_size", "resource_worker")
+# For what-if sizing only (never read by a verdict): vLLM's `llm_request` -- the span carrying
+# its time in queue -- gives them over a router's span. Its end is when the engine finished
+# the request, on the engine host's clock, which stamps the KV events and the lookup time
+# derived from that span; a router's span ends later (the response still streams to the
+# client), on the router's clock. Its completion tokens are the engine's own count.
+FINISH_FACTS = ("finish_time", "output_tokens")
 
 
 def ids_related(engine_id: str, request_id: str) -> bool:
@@ -333,6 +347,8 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         predicted_cached_tokens=m.get("predicted_cached_tokens"),
         token_ids=token_ids,
         extra_keys=spec,
+        finish_time=m.get("finish_time"),
+        output_tokens=m.get("output_tokens"),
     )
 
 

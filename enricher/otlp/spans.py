@@ -57,6 +57,11 @@ class SpanFacts(msgspec.Struct, kw_only=True):
     template_version: str | None = None
     # Worker named by the span's resource (``kvmiss.worker``); a span attribute wins over it.
     resource_worker: str | None = None
+    # For what-if sizing only (`kvmiss whatif`), never for a verdict: the tokens the request
+    # generated, and when it finished -- the span's end (seconds), on a span that carries
+    # other facts too, is neither an engine lookup nor a transfer span (those end early).
+    output_tokens: int | None = None
+    finish_time: float | None = None
     # The span is the kvmiss vLLM plugin's `PREFIX_LOOKUP_SPAN`: its request id is the
     # engine's, which may extend the API-level id (enricher/otlp/assembly.py joins them).
     engine_lookup: bool = False
@@ -151,7 +156,13 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "extra_key_kinds": _str_list, "lookup_time_unix_nano": _int, "time_in_queue_s": _float,
     "transfer_result": _transfer_result, "transfer_source": _str, "recomputed_tokens": _int,
     "tenant_policy": _str, "adapter": _str, "model_revision": _str, "template_version": _str,
+    "output_tokens": _int,
 }
+
+# Facts that never make a span a fragment on their own: a span carrying only them (an LLM
+# client's span with its token usage) passes through as if it carried none, as it did
+# before they were read -- it is no request kvmiss could judge.
+_RIDERS = frozenset({"output_tokens"})
 
 _UNUSABLE = object()  # kvlist / bytes / empty values: no converter accepts it
 _KEY = operator.attrgetter("key")
@@ -358,6 +369,7 @@ class SpanReader:
         wanted = frozenset(table)
         get = table.get
         build = _build
+        riders = _RIDERS
 
         def scan(span: Any, bad: list[str] | None, resource_worker: str | None) -> Any:
             # A slice, not iteration: the container has no iterator of its own, and the
@@ -415,26 +427,28 @@ class SpanReader:
                 elif ranks:
                     ranks.pop(fact, None)  # type: ignore[arg-type]
             found = None if marks is None else Marks(marks, len(keys), raw)
-            if not values:
+            if not values or (len(values) == 1 and riders.issuperset(values)):
                 return None if found is None else (None, None, found)
             start = span.start_time_unix_nano if "time_in_queue_s" in values else 0
-            return (*build(values, start, span.name == names.PREFIX_LOOKUP_SPAN, resource_worker), found)
+            return (*build(values, start, span.name == names.PREFIX_LOOKUP_SPAN, resource_worker,
+                           span.end_time_unix_nano), found)
 
         return scan
 
     def read_attributes(self, attributes: Mapping[str, Any], start_time_unix_nano: int | None,
                         bad: list[str] | None = None, *, name: str = "",
-                        resource_worker: str | None = None) -> SpanFacts | None:
+                        resource_worker: str | None = None,
+                        end_time_unix_nano: int | None = None) -> SpanFacts | None:
         """`read` for an SDK ``ReadableSpan``: its attributes, start time (ns; used with
-        vLLM's time in queue) and name."""
+        vLLM's time in queue), name and end time (ns; the request's finish, for what-if)."""
         lookup = self._lookup
         hits = [(key, value) for key, value in attributes.items() if key in lookup]
         if not hits:
             return None
-        return self._facts(hits, start_time_unix_nano or 0, bad, name, resource_worker)
+        return self._facts(hits, start_time_unix_nano or 0, bad, name, resource_worker, end_time_unix_nano or 0)
 
     def _facts(self, hits: list[tuple[str, Any]], start_time_unix_nano: int, bad: list[str] | None,
-               span_name: str, resource_worker: str | None) -> SpanFacts | None:
+               span_name: str, resource_worker: str | None, end_time_unix_nano: int = 0) -> SpanFacts | None:
         """The facts of (attribute name, Python value) pairs whose names are inputs."""
         values: dict[str, tuple[int, Any]] = {}
         for key, raw in hits:
@@ -447,9 +461,11 @@ class SpanReader:
                     bad.append(key)
                 continue
             values[fact] = (rank, converted)
-        if not values:
+        if not values or _RIDERS.issuperset(values):
             return None
         facts = SpanFacts(resource_worker=resource_worker, engine_lookup=span_name == names.PREFIX_LOOKUP_SPAN)
+        if end_time_unix_nano and not facts.engine_lookup and "transfer_result" not in values:
+            facts.finish_time = end_time_unix_nano / 1e9
         for fact, (_, value) in values.items():
             if fact == "lookup_time_unix_nano":
                 facts.lookup_time = value / 1e9
@@ -476,8 +492,9 @@ _FACT_INDEX = {fact: i for i, fact in enumerate(_FACTS)}
 # One span the wire scanner found an attribute of interest on: (resource, scope and span
 # index in the request, trace id, values by fact name -- None when the span's values need the
 # reference rules --, marks as (position, name) or None, attribute count, raw-mark count,
-# start_time_unix_nano, whether it is an engine lookup span).
-WireHit = tuple[int, int, int, bytes, "dict[str, Any] | None", "list[tuple[int, str]] | None", int, int, int, bool]
+# start_time_unix_nano, end_time_unix_nano, whether it is an engine lookup span).
+WireHit = tuple[int, int, int, bytes, "dict[str, Any] | None", "list[tuple[int, str]] | None", int, int, int, int,
+                bool]
 
 
 class WireScanner:
@@ -503,9 +520,9 @@ class WireScanner:
         """What `SpanReader.scanner` returns for the hit's span (the hit's values not None)."""
         values, marks = hit[4], hit[5]
         found = None if marks is None else Marks(marks, hit[6], hit[7])
-        if not values:
+        if not values or (len(values) == 1 and _RIDERS.issuperset(values)):
             return None, None, found
-        return (*_build(values, hit[8], hit[9], resource_worker), found)  # type: ignore[arg-type]
+        return (*_build(values, hit[8], hit[10], resource_worker, hit[9]), found)  # type: ignore[arg-type]
 
 
 def rewrite_request(body: bytes, edits: list[tuple[int, int, int, tuple[int, ...], bytes]]) -> bytes:
@@ -520,10 +537,12 @@ def rewrite_request(body: bytes, edits: list[tuple[int, int, int, tuple[int, ...
 
 
 def _build(values: dict[str, Any], start_time_unix_nano: int, engine_lookup: bool,
-           resource_worker: str | None) -> tuple[SpanFacts, dict[str, Any]]:
+           resource_worker: str | None, end_time_unix_nano: int) -> tuple[SpanFacts, dict[str, Any]]:
     """`SpanFacts` from converted values by fact name (`_CONVERTERS`' keys) of an OTLP span
-    (its start time, needed with a time in queue only, and whether it is an engine lookup
-    span), and its non-None fields (``values``, renamed in place)."""
+    (its start time, needed with a time in queue only, whether it is an engine lookup span,
+    and its end time), and its non-None fields (``values``, renamed in place)."""
+    if end_time_unix_nano and not engine_lookup and "transfer_result" not in values:
+        values["finish_time"] = end_time_unix_nano / 1e9  # (a transfer or lookup span ends early)
     if "lookup_time_unix_nano" in values:
         values["lookup_time"] = values.pop("lookup_time_unix_nano") / 1e9
     if "time_in_queue_s" in values:

@@ -209,7 +209,7 @@ class EnrichingSpanExporter(SpanExporter):
             instance, worker = resources[id(resource)]
             bad: list[str] = []
             facts = self.reader.read_attributes(span.attributes, span.start_time, bad, name=span.name,
-                                                resource_worker=worker)
+                                                resource_worker=worker, end_time_unix_nano=span.end_time)
             for name in bad:
                 self.stats[f"bad_attribute:{name}"] += 1
             if facts is None:

@@ -22,6 +22,7 @@ from prometheus_client.samples import Exemplar
 
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.service.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
+from kvmiss.enricher.service.request_records import RequestRecords
 from kvmiss.schemas.attribution import LABEL_OWNER, ClockOffset, Label
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
@@ -29,6 +30,8 @@ NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
 # Why an OTLP request was answered with an error before any of its spans was read (a fixed
 # set: the receiver's ``requests_<reason>`` counters).
 OTLP_REQUEST_REFUSALS = ("unsupported_media_type", "unsupported_encoding", "too_large", "malformed", "body_timeout")
+# Why a request record was not written (RequestRecords.dropped).
+REQUEST_RECORD_DROPS = ("queue_full", "write_error", "shut_down")
 # The same for the metrics endpoint, which serves GETs only.
 ENDPOINT_REQUEST_REFUSALS = ("too_large", "body_timeout")
 
@@ -48,6 +51,7 @@ class KvmissCollector(Collector):
         intake: Callable[[], Mapping[str, int]] = dict,
         endpoint: Callable[[], Mapping[str, int]] = dict,
         index_feed: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        records: RequestRecords | None = None,
     ):
         self.stats = stats
         self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
@@ -56,6 +60,7 @@ class KvmissCollector(Collector):
         self.intake = intake  # the OTLP receivers' counters and gauges (receiver.Receivers)
         self.endpoint = endpoint  # the metrics listener's own counters (listener.HttpListener)
         self.index_feed = index_feed  # (batches applied to the index, batches waiting to be)
+        self.records = records  # the request-records file writer, when [export] request_records is set
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
 
@@ -68,7 +73,32 @@ class KvmissCollector(Collector):
         yield from self._index()
         yield from self._spans()
         yield from self._exports()
+        yield from self._records()
         yield from self._endpoint()
+
+    def _records(self) -> Iterator[Metric]:
+        """The request-records file ([export] request_records): what was written, and what
+        was not and why -- a full disk shows here, beside its one log line."""
+        records = self.records
+        if records is None:
+            return
+        written = CounterMetricFamily("kvmiss_request_records_written", "Request records written to "
+                                      "[export] request_records (one per judged request).")
+        written.add_metric([], records.written)
+        dropped = CounterMetricFamily(
+            "kvmiss_request_records_dropped", "Request records not written, by reason: queue_full (the writer "
+            "fell behind), write_error (the file could not be written), shut_down.", labels=["reason"])
+        for reason in REQUEST_RECORD_DROPS:
+            dropped.add_metric([reason], records.dropped.get(reason, 0))
+        rotations = CounterMetricFamily("kvmiss_request_records_rotations",
+                                        "Times the file reached request_records_max_bytes and was renamed to <file>.old.")
+        rotations.add_metric([], records.rotations)
+        errors = CounterMetricFamily("kvmiss_request_records_write_errors",
+                                     "Failed opens, writes or rotations of the request-records file.")
+        errors.add_metric([], records.errors)
+        queued = GaugeMetricFamily("kvmiss_request_records_queued", "Request records waiting for the writer thread.")
+        queued.add_metric([], records.queued)
+        yield from (written, dropped, rotations, errors, queued)
 
     def _exports(self) -> Iterator[Metric]:
         """What happened to spans after the pipeline: a downstream outage that outlasts the

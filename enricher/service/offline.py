@@ -1,9 +1,14 @@
-"""Offline attribution: a recording of KV events + request records -> attribution records.
+"""Offline attribution: a recording of KV events + request records -> attribution records;
+and request records from OTLP span files.
 
 The same path as the live service, minus the sockets and spans: the recording is played
 through the per-worker state machines (collectors.fleet.play_recording), every applied
 batch goes into a residency index that keeps every epoch, and each request record
 (`RequestFacts` as one JSON object per line) is judged at its own lookup time.
+
+`records_from_spans` makes those request records from spans kept in files (`kvmiss requests
+--otlp`): the spans' facts read and joined by the pipeline's own rules, as `kvmiss serve`
+writes them with ``[export] request_records``.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ from kvmiss.collectors.continuity import Apply
 from kvmiss.collectors.fleet import DEALER, TICK, Fleet, play_recording
 from kvmiss.collectors.recording import ReadStats, read_recording
 from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.schemas.attribution import LABEL_OWNER, AttributionRecord, Label, Owner, RequestFacts
+from kvmiss.enricher.otlp.assembly import Assembly, Fragment, MissingFacts, join_target, to_request_facts
+from kvmiss.enricher.otlp.spans import SpanReader
+from kvmiss.enricher.service.request_records import record_of
+from kvmiss.schemas.attribution import LABEL_OWNER, AttributionRecord, Label, Owner, RequestFacts, RequestRecord
 from kvmiss.schemas.config import WorkerSpec
 
 _request_decoder = msgspec.json.Decoder(RequestFacts)
@@ -119,3 +128,51 @@ def attribute_requests(index: ResidencyIndex, requests: Iterable[RequestFacts | 
         summary.add(record)
         out.write(encoder.encode(record) + b"\n")
     return summary
+
+
+# --- request records from OTLP span files ----------------------------------------------------
+
+
+def records_from_spans(requests: Iterable, reader: SpanReader, *, hasher: BlockHasher | None,
+                       default_block_size: int, left_out: collections.Counter[str]) -> Iterator[RequestRecord]:
+    """The request record of every request in ``requests`` (parsed OTLP export requests: the
+    lines of a Collector's file exporter), in the order their traces first appear.
+
+    Each span's facts are read as the pipeline reads them (`SpanReader`, the configured
+    names); a trace's fragments are joined by the pipeline's rule (`assembly.join_target`) and
+    merged into `RequestFacts` (`assembly.to_request_facts`: the engine's llm_request gives the
+    finish time and output tokens), which become `RequestRecord` as `kvmiss serve` writes them.
+    Every span of a trace is at hand here, so nothing waits: a request whose facts are still
+    incomplete is left out, counted in ``left_out`` by what it lacks. Holds the facts of every
+    span until the end (bounded by the files given; `[export] request_records` is the way for
+    continuous traffic)."""
+    scan = reader.scanner(frozenset())
+    traces: dict[bytes, dict[str | None, Assembly]] = {}
+    for request in requests:
+        for resource_spans in request.resource_spans:
+            attributes = resource_spans.resource.attributes
+            instance, worker = reader.instance_of(attributes), reader.worker_of(attributes)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans[:]:
+                    found = scan(span, None, worker)
+                    if found is None or found[0] is None:
+                        continue
+                    facts, fields, _ = found
+                    trace = traces.setdefault(span.trace_id, {})
+                    assembly = trace.get(facts.request_id)
+                    if assembly is None:
+                        assembly = trace[facts.request_id] = Assembly(span.trace_id, facts.request_id, 0.0)
+                    assembly.fragments.append(Fragment(facts, None, None, instance, None, fields))
+    for trace_id, trace in traces.items():
+        for assembly in list(trace.values()):  # in arrival order, as the pipeline's poll
+            target = join_target(assembly, trace)
+            if target is not None:
+                target.fragments.extend(assembly.fragments)
+                assembly.done = True
+                del trace[assembly.request_id]
+        for assembly in trace.values():
+            facts = to_request_facts(assembly, hasher=hasher, default_block_size=default_block_size, errors=[])
+            if isinstance(facts, MissingFacts):
+                left_out["no " + " or ".join(facts.missing)] += 1
+                continue
+            yield record_of(facts, trace_id)

@@ -36,6 +36,7 @@ from kvmiss.enricher.service.handoff import IndexFeed
 from kvmiss.enricher.service.health_endpoint import HealthEndpoint
 from kvmiss.enricher.service.metrics import KvmissCollector
 from kvmiss.enricher.service.pipeline import Pipeline
+from kvmiss.enricher.service.request_records import RequestRecords
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
 from kvmiss.schemas.config import Config
 
@@ -115,6 +116,10 @@ class Service:
                        for e in build_exporters(config.export)]
         self.journal = SpanJournal(config.export.journal, max_bytes=config.export.journal_max_bytes,
                                    sync_interval_s=config.export.journal_sync_interval_s) if config.export.journal else None
+        export = config.export
+        # One JSON line per judged request, written off the loop (`[export] request_records`).
+        self.request_records = RequestRecords(export.request_records, max_bytes=export.request_records_max_bytes) \
+            if export.request_records else None
         self.exemplars: dict[tuple[Label, str, str], str] = {}
         self._unsettled: dict[str, float] = {}  # worker -> since when recovering / verifying (`ready`)
         self.pipeline = Pipeline(
@@ -140,7 +145,7 @@ class Service:
         self.registry.register(KvmissCollector(
             self.pipeline.stats, lambda: self.fleet.streams,
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
-            exports=lambda: self.queues, clock_bounds=self.clock_bounds,
+            exports=lambda: self.queues, clock_bounds=self.clock_bounds, records=self.request_records,
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
             endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed))))
         self._ticker: asyncio.Task | None = None
@@ -217,10 +222,14 @@ class Service:
 
     def _on_verdict(self, facts: RequestFacts, verdict: Verdict, trace_id: bytes) -> None:
         self.exemplars[self.pipeline.metric_key(facts, verdict)] = trace_id.hex()
+        if self.request_records is not None:
+            self.request_records.put(facts, trace_id)
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.request_records is not None:  # a path that cannot be opened stops start-up
+            self.request_records.start()
         for queue in self.queues:
             await queue.start()
         self.subscriber.start()
@@ -249,6 +258,8 @@ class Service:
             self._ticker.cancel()
         self.drain(None)
         self.pipeline.poll(final=True)
+        if self.request_records is not None:
+            await asyncio.to_thread(self.request_records.shutdown, timeout)  # writes what it holds
         for queue in self.queues:
             await queue.shutdown(timeout)
         self.subscriber.shutdown(timeout)
@@ -261,9 +272,12 @@ class Service:
         return self.health.port
 
     async def _tick_forever(self) -> None:
+        records = self.request_records
         while True:
             behind = self.drain()
             self.pipeline.poll(self.clock())
+            if records is not None:
+                records.flush()  # this tick's records, encoded at once, to the writer thread
             # A backlog the drain's budget left: back at once, after whatever else is ready.
             await asyncio.sleep(0 if behind else TICK_S)
 

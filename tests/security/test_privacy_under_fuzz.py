@@ -1,8 +1,8 @@
 """Privacy under hostile input: random token ids, cache salts, adapter paths and the digest
 secret, pushed through the real pieces (`kvmiss decode`, `Pipeline.consume` + `poll` with
-hashing, the residency index with divergence detail, the metrics collector) with values of
-every type, never show up in exported spans, metrics exposition, log records (all loggers,
-DEBUG) or error messages.
+hashing, the residency index with divergence detail, the metrics collector, the request
+records) with values of every type, never show up in exported spans, request records,
+metrics exposition, log records (all loggers, DEBUG) or error messages.
 
 Injected values are recognisable on sight: token ids are 9-10 digit numbers (no count, seq
 or time in these scenarios has that shape), salts start with ``SALT``, adapter paths with
@@ -16,8 +16,10 @@ import asyncio
 import base64
 import io
 import json
+import os
 import re
 import string
+import tempfile
 
 import msgspec
 from fuzz.fuzz_support import all_logs_at_debug, fuzz_settings, mutate_bytes
@@ -38,6 +40,7 @@ from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.otlp.spans import SpanReader
 from kvmiss.enricher.service.metrics import KvmissCollector
 from kvmiss.enricher.service.pipeline import Pipeline
+from kvmiss.enricher.service.request_records import RequestRecords
 from kvmiss.schemas.events import BlockStored
 from kvmiss.schemas.prompt import ExtraKeysSpec, LoraSpec
 from kvmiss.schemas.span_attributes import InputNames
@@ -242,13 +245,17 @@ class Clock:
 
 def run_pipeline(s: Secrets, requests: list[ExportTraceServiceRequest], refuse: bool,
                  reader: SpanReader | None = None):
-    """Consume, poll and scrape; returns (exported text, metrics text, verdict reasons)."""
+    """Consume, poll and scrape; returns (exported text, metrics text, verdict reasons and
+    the request records written, the pipeline)."""
     exemplars: dict = {}
     reasons: list[str] = []
+    folder = tempfile.TemporaryDirectory()
+    records = RequestRecords(os.path.join(folder.name, "requests.jsonl"))
 
     def on_verdict(facts, verdict, trace_id):
         exemplars[(verdict.label, facts.route_policy or "", facts.worker or "")] = trace_id.hex()
         reasons.append(msgspec.json.encode(verdict).decode())
+        records.put(facts, trace_id)
 
     clock = Clock()
     pipe = Pipeline(Attributor(index_holding(s), DigestKey(s.key)), Sink(refuse), hasher=HASHER,
@@ -266,7 +273,12 @@ def run_pipeline(s: Secrets, requests: list[ExportTraceServiceRequest], refuse: 
     registry.register(KvmissCollector(pipe.stats, lambda: {"A": WorkerStream("A", replay=True)},
                                       exemplars=exemplars))
     metrics = prom_text.generate_latest(registry).decode() + openmetrics.generate_latest(registry).decode()
-    return "\n".join(exported), metrics, "\n".join(reasons), pipe
+    records.shutdown()
+    with folder:
+        path = os.path.join(folder.name, "requests.jsonl")
+        written = open(path).read() if os.path.exists(path) else ""
+    assert written.count("\n") == len(reasons)  # one record per verdict
+    return "\n".join(exported), metrics, "\n".join(reasons) + "\n" + written, pipe
 
 
 def test_the_scenario_reaches_hashing_divergence_and_export():
@@ -307,8 +319,9 @@ def test_no_raw_prompt_material_reaches_spans_metrics_or_logs(s, data):
         exported, metrics, verdicts, pipe = run_pipeline(s, requests, refuse)
     assert pipe.stats.spans_in == sum(len(ss.spans) for r in requests for rs in r.resource_spans for ss in rs.scope_spans)
     assert "kvmiss.token_ids" not in exported and "kvmiss.extra_keys" not in exported
-    for where, text in (("exported spans", exported), ("metrics", metrics), ("verdicts", verdicts),
-                        ("logs", "\n".join(logs.texts))):
+    assert "token_ids" not in verdicts and "extra_keys" not in verdicts  # (with the request records)
+    for where, text in (("exported spans", exported), ("metrics", metrics),
+                        ("verdicts and request records", verdicts), ("logs", "\n".join(logs.texts))):
         assert not s.leaks(text), (where, s.leaks(text))
 
 

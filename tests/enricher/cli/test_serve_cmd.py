@@ -81,6 +81,13 @@ def test_check_fails_on_what_start_up_would_fail_on(tmp_path):
     assert bad_export.returncode == 2 and "export.endpoint" in bad_export.stderr
     bad_key = _check("[history]\nretention_s = -5\n", tmp_path)
     assert bad_key.returncode == 2 and "history.retention_s" in bad_key.stderr
+    nowhere = _check(f'[export]\nrequest_records = "{tmp_path / "missing" / "r.jsonl"}"\n', tmp_path)
+    assert nowhere.returncode == 2 and "export.request_records" in nowhere.stderr
+    small = _check('[export]\nrequest_records = "r.jsonl"\nrequest_records_max_bytes = 1000\n', tmp_path)
+    assert small.returncode == 2 and "request_records_max_bytes" in small.stderr
+    fine = _check(f'[export]\nrequest_records = "{tmp_path / "r.jsonl"}"\n', tmp_path)
+    assert fine.returncode == 0 and f"request records: {tmp_path / 'r.jsonl'} (renamed to .old at 256 MiB)" in fine.stdout
+    assert not (tmp_path / "r.jsonl").exists()  # --check opens nothing
 
 
 def _free_pair() -> int:
@@ -137,10 +144,10 @@ def test_process_config_moves_every_port_and_file_but_port_0():
     from kvmiss.schemas.config import parse_config
 
     config = parse_config('[otlp]\ngrpc = "0.0.0.0:4317"\nhttp = "[::1]:0"\n[metrics]\nlisten = ":9464"\n'
-                          '[export]\nfile = "out.jsonl"\njournal = "j"\n')
+                          '[export]\nfile = "out.jsonl"\njournal = "j"\nrequest_records = "req.jsonl"\n')
     moved = process_config(config, 3)
     assert (moved.otlp.grpc, moved.otlp.http, moved.metrics.listen) == ("0.0.0.0:4320", "[::1]:0", "127.0.0.1:9467")
-    assert (moved.export.file, moved.export.journal) == ("out.jsonl.3", "j.3")
+    assert (moved.export.file, moved.export.journal, moved.export.request_records) == ("out.jsonl.3", "j.3", "req.jsonl.3")
     assert process_config(config, 0) is config
     off = parse_config('[otlp]\ngrpc = ""\nhttp = "127.0.0.1:4318"\n')
     assert process_config(off, 1).otlp.grpc == ""  # a receiver that is off stays off

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from fleet_builders import H, WorkerFeed, removed, request, stored
 
 from kvmiss.enricher.core.attribution import Attributor
@@ -14,7 +15,12 @@ KEY = DigestKey("worked-cases-test-secret")
 
 
 def judge(index, facts):
-    return Attributor(index, KEY).attribute(facts)
+    verdict = Attributor(index, KEY).attribute(facts)
+    # The what-if facts (finish time, output tokens) never decide a verdict, whatever they say.
+    for finish, output in ((0.0, 0), ((facts.lookup_time or 0.0) + 3600.0, 10**6)):
+        whatif = msgspec.structs.replace(facts, finish_time=finish, output_tokens=output)
+        assert Attributor(index, KEY).attribute(whatif) == verdict
+    return verdict
 
 
 def test_case_1_stored_100_removed_148_request_at_160_is_evicted():

@@ -3,7 +3,9 @@ semantics, its ground truth on literal scenarios, and one whole run as a user st
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import subprocess
 import sys
 import time
@@ -398,6 +400,14 @@ def test_the_demo_runs_the_real_pipeline_with_no_wrong_verdict(tmp_path):
     assert not summary["raw_material_in_export"]
     records = (tmp_path / "attributions.jsonl").read_text().splitlines()
     assert len(records) == 150
+    # [export] request_records: one line per judged request, no prompt material in it either
+    # (the opt-in token ids and extra keys carried salts and adapter paths).
+    requests = (tmp_path / "requests.jsonl").read_text()
+    assert summary["request_records"] == len(requests.splitlines()) == 150
+    for raw in ("token_ids", "extra_keys", "salt-", "/adapters/"):
+        assert raw not in requests
+    assert not summary["raw_material_in_request_records"] and (tmp_path / "events.rec").stat().st_size > 0
+    assert summary["whatif_command"].startswith("kvmiss whatif --events ")
     report = tmp_path / "report.html"
     assert summary["report_path"] == str(report)
     html = report.read_text()
@@ -407,3 +417,54 @@ def test_the_demo_runs_the_real_pipeline_with_no_wrong_verdict(tmp_path):
                 "ground_truth"):
         assert (tmp_path / f"{png}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert time.monotonic() - started < 120
+
+
+def test_the_demos_spans_become_request_records_that_kvmiss_whatif_replays(tmp_path, monkeypatch):
+    """Spans -> request records -> `kvmiss whatif`, end to end: the demo's fleet sends its spans
+    with the OTel SDK into the real `kvmiss serve`, which writes a record per judged request
+    (the finish time and completion tokens from vLLM's llm_request); its collector's recording
+    and those records are all `kvmiss whatif` needs. At the recorded pool size the replay gives
+    back what the simulated engines served. (Without the faults, and without the requests
+    that skip the cache read, which no span marks: a replay cannot know them.)"""
+    from kvmiss.enricher.demo import workload
+    from kvmiss.enricher.demo.run import NUM_BLOCKS, DemoOptions, run_demo
+    from kvmiss.enricher.service.offline import read_requests
+
+    monkeypatch.delitem(workload.KIND_WEIGHTS, "logprobs")
+    summary, _ = run_demo(DemoOptions(requests=300, faults=frozenset(), out=str(tmp_path)), log=open(os.devnull, "w"))
+    assert summary["wrong_verdicts"] == 0 and summary["request_records"] == 300
+    truth = {r.id: r for r in workload.Workload(7, block_size=B).generate(300)}
+    with open(tmp_path / "requests.jsonl", "rb") as lines:
+        records = list(read_requests(lines))
+    per_worker = collections.Counter(r.worker for r in records)
+    for r in records:
+        assert r.output_tokens == len(truth[r.request_id].output_ids)  # the completion tokens
+        assert r.lookup_time < r.finish_time < r.lookup_time + 5  # vLLM's span end: the finish
+        assert r.block_hashes == truth[r.request_id].chain[:r.prompt_tokens // B]
+    command = [sys.executable, "-m", "kvmiss.enricher.cli", "whatif", "--events", str(tmp_path / "events.rec"),
+               "--requests", str(tmp_path / "requests.jsonl"), "--pool-blocks", str(NUM_BLOCKS),
+               "--scales", "1,2,4", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "left out" not in done.stderr, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {(r["worker"], r["requests"]) for r in rows} == {(w, n) for w, n in per_worker.items() for _ in (1, 2, 4)}
+    for worker in per_worker:
+        curve = sorted((r for r in rows if r["worker"] == worker), key=lambda r: r["scale"])
+        at_1 = curve[0]
+        assert at_1["scale"] == 1.0 and not at_1["uncertain"]
+        # The simulated pool is vLLM-like, not vLLM's own (benchmarks/whatif_vllm_pool.py checks
+        # that one within 0.4 points): a few evictions fall differently.
+        assert abs(at_1["predicted_hit_ratio"] - at_1["observed_hit_ratio"]) <= 0.025, at_1
+        ratios = [r["predicted_hit_ratio"] for r in curve]
+        assert ratios == sorted(ratios)  # a larger pool never serves less
+    # A record without its finish time is left out and counted, the rest replayed as before.
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    del first["finish_time"]
+    (tmp_path / "partial.jsonl").write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    partial = subprocess.run(command[:7] + [str(tmp_path / "partial.jsonl")] + command[8:],
+                             capture_output=True, text=True, timeout=120)
+    assert partial.returncode == 0, partial.stderr
+    assert "1 requests left out (no lookup_time, finish_time or output_tokens)" in partial.stderr
+    counts = {(r["worker"], r["scale"]): r["requests"] for r in map(json.loads, partial.stdout.splitlines())}
+    assert counts[(first["worker"], 1.0)] == per_worker[first["worker"]] - 1

@@ -24,7 +24,7 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.verdict import lookup_limit_tokens
 from kvmiss.enricher.otlp import spans as S
-from kvmiss.enricher.otlp.assembly import ENGINE_FACTS, Assembly, Fragment, to_request_facts
+from kvmiss.enricher.otlp.assembly import ENGINE_FACTS, FINISH_FACTS, Assembly, Fragment, to_request_facts
 from kvmiss.enricher.service.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import (Divergence, DivergenceKind, History, Label, Owner, TransferAttempt,
@@ -54,7 +54,7 @@ def read_reference(reader: S.SpanReader, span, bad: list[str], resource_worker=N
     hits = [(kv.key, unwrap_reference(kv.value)) for kv in span.attributes if reader.is_input(kv.key)]
     if not hits:
         return None
-    return reader._facts(hits, span.start_time_unix_nano, bad, span.name, resource_worker)
+    return reader._facts(hits, span.start_time_unix_nano, bad, span.name, resource_worker, span.end_time_unix_nano)
 
 
 def upsert_reference(span, values: dict, drop=()) -> None:
@@ -84,6 +84,13 @@ def merged_reference(assembly: Assembly) -> S.SpanFacts:
     for fragment in assembly.fragments:
         if fragment.facts.engine_lookup:
             for field in ENGINE_FACTS:
+                value = getattr(fragment.facts, field)
+                if value is not None:
+                    setattr(out, field, value)
+            break
+    for fragment in assembly.fragments:  # vLLM's llm_request (its time in queue) gives the what-if facts
+        if fragment.facts.queue_lookup_time is not None and not fragment.facts.engine_lookup:
+            for field in FINISH_FACTS:
                 value = getattr(fragment.facts, field)
                 if value is not None:
                     setattr(out, field, value)
@@ -169,7 +176,8 @@ def _input_keys(inputs: InputNames) -> list[str]:
 
 CUSTOM = InputNames(prompt_tokens=["usage.in", "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"],
                     block_hashes=["router.chain", "kvmiss.block_hashes"], token_ids=["router.tokens"],
-                    worker=["router.backend", "kvmiss.route.worker"])
+                    worker=["router.backend", "kvmiss.route.worker"],
+                    output_tokens=["router.completion_tokens", "gen_ai.usage.completion_tokens"])
 READERS = {"default": S.SpanReader(), "custom": S.SpanReader(CUSTOM)}
 NOISE = ["http.method", "gen_ai.request.model", "url.path", names.LABEL, names.REASON, names.EXTRA_KEY_KINDS,
          "kvmiss.token_ids", "kvmiss.extra_keys"]
@@ -180,7 +188,8 @@ def spans(draw, reader_name: str) -> trace_pb2.Span:
     inputs = InputNames() if reader_name == "default" else CUSTOM
     keys = _input_keys(inputs) + NOISE
     span = trace_pb2.Span(name=draw(st.sampled_from(["route", names.PREFIX_LOOKUP_SPAN])),
-                          start_time_unix_nano=draw(st.integers(0, 2**64 - 1)))
+                          start_time_unix_nano=draw(st.integers(0, 2**64 - 1)),
+                          end_time_unix_nano=draw(st.sampled_from([0, 1, 2**64 - 1]) | st.integers(0, 2**64 - 1)))
     for key in draw(st.lists(st.sampled_from(keys), max_size=12)):  # repeats included
         kv = span.attributes.add()
         kv.key = key
@@ -389,7 +398,8 @@ span_facts = st.builds(
     lookup_time=st.none() | st.floats(0, 10), queue_lookup_time=st.none() | st.floats(0, 10),
     extra_key_kinds=st.none() | st.lists(st.just("lora"), max_size=1),
     transfer=st.none() | st.builds(TransferAttempt, st.sampled_from(TransferResult), st.none() | st.just("cpu")),
-    resource_worker=st.none() | st.just("w2"), engine_lookup=st.booleans(), route_policy=st.none() | st.just("p"))
+    resource_worker=st.none() | st.just("w2"), engine_lookup=st.booleans(), route_policy=st.none() | st.just("p"),
+    output_tokens=st.none() | st.integers(0, 999), finish_time=st.none() | st.floats(0, 10))
 
 
 @SETTINGS
@@ -417,6 +427,7 @@ def test_merging_set_fields_equals_copying_every_field(fragments):
                                      else reference.queue_lookup_time)
         assert facts.instance_hint == reference.instance
         assert facts.transfers == tuple(f.transfer for f, _, _ in fragments if f.transfer is not None)
+        assert (facts.finish_time, facts.output_tokens) == (reference.finish_time, reference.output_tokens)
 
 
 # --- metrics ---------------------------------------------------------------------------------

@@ -261,7 +261,7 @@ def test_a_chain_reads_as_uint64_and_token_ids_as_int64():
     assert hit[4] == {"block_hashes": array("Q", [2**64 - 1, 0, 2**63 - 1, 2**63]),
                       "token_ids": [-1, 0, 2**63 - 1, -(2**63)]}
     assert hit[5] == [(0, "kvmiss.block_hashes"), (1, "kvmiss.token_ids")] and hit[6:8] == (2, 2)
-    assert hit[9] is True  # the plugin's lookup span
+    assert hit[10] is True  # the plugin's lookup span
 
 
 @compiled

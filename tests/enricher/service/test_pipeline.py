@@ -54,7 +54,8 @@ def export_request(*spans: dict, instance: str | None = None) -> ExportTraceServ
     ss = rs.scope_spans.add()
     for i, spec in enumerate(spans):
         span = ss.spans.add(trace_id=spec.pop("trace_id", TRACE), span_id=spec.pop("span_id", os.urandom(8)),
-                            name=spec.pop("name", "span"), start_time_unix_nano=spec.pop("start", 0))
+                            name=spec.pop("name", "span"), start_time_unix_nano=spec.pop("start", 0),
+                            end_time_unix_nano=spec.pop("end", 0))
         for key, value in spec.items():
             kv = span.attributes.add()
             kv.key = key
@@ -554,3 +555,93 @@ def test_an_evicted_miss_carries_the_estimate_beside_its_label_and_feeds_the_per
     plain = Pipeline(Attributor(evicting_worker(3)[0]), Sink(), clock=Clock(), judge_on_arrival=True)
     asyncio.run(plain.consume(export_request(router_span(**{"gen_ai.usage.input_tokens": 40}))))
     assert "kvmiss.whatif.scale" not in attrs(plain.sink.spans()[0])  # no pool size: no estimate
+
+
+# --- what-if facts (finish time, output tokens): read, merged, and never part of a verdict ---------
+
+
+def _judge_all(requests: list, *, wire: bool, index=None) -> tuple[list, Sink, Pipeline]:
+    """Every request through one pipeline (on its bytes or the parsed message); the facts
+    each verdict was given, the sink, the pipeline."""
+    from kvmiss.enricher.otlp.spans import WIRE_SCAN
+
+    if wire and not WIRE_SCAN:
+        pytest.skip("the compiled wire path is not built")
+    judged: list = []
+    pipe, sink = make(index if index is not None else evicted_history()[0], Clock(), judge_on_arrival=True,
+                      on_verdict=lambda facts, verdict, trace: judged.append((facts, verdict)))
+    for request in requests:
+        asyncio.run(pipe.consume(request, request.SerializeToString() if wire else None))
+    pipe.poll(final=True)
+    return judged, sink, pipe
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["message", "bytes"])
+def test_finish_time_and_output_tokens_come_from_llm_request_over_the_router_span(wire):
+    router = router_span(end=int(1022.75e9), **{"gen_ai.usage.output_tokens": 99})
+    del router["kvmiss.lookup_time_unix_nano"]
+    engine = vllm_request_span(end=int(1021.5e9), **{"gen_ai.usage.completion_tokens": 42})
+    transfer = {"name": "kv_transfer", "gen_ai.request.id": "r1", "kvmiss.transfer.result": "completed",
+                "end": int(1020.4e9)}
+    # The router's span first, as it usually comes: the engine's still win these two facts.
+    (facts, _), = _judge_all([export_request(router, transfer), timed_request(engine)], wire=wire)[0]
+    assert facts.finish_time == pytest.approx(1021.5) and facts.output_tokens == 42
+    assert facts.lookup_time == pytest.approx(1020.5)  # the same span's clock
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["message", "bytes"])
+def test_without_llm_request_the_router_span_gives_them_and_a_transfer_span_never_does(wire):
+    transfer = {"name": "kv_transfer", "gen_ai.request.id": "r1", "kvmiss.transfer.result": "failed",
+                "end": int(1020.4e9), "gen_ai.usage.output_tokens": 5}
+    router = router_span(end=int(1022.75e9), **{"gen_ai.usage.input_tokens": 40, "gen_ai.usage.output_tokens": 99})
+    (facts, _), = _judge_all([export_request(transfer, router)], wire=wire)[0]
+    assert facts.finish_time == pytest.approx(1022.75)  # the transfer span came first, and ended early
+    assert facts.output_tokens == 5  # a count is a count: the first span that has one
+    (bare, _), = _judge_all([export_request(router_span(**{"gen_ai.usage.input_tokens": 40}))], wire=wire)[0]
+    assert bare.finish_time is None and bare.output_tokens is None  # no end time, no count: left out
+
+
+def test_the_plugins_lookup_span_never_gives_the_finish_time():
+    lookup = {"name": names.PREFIX_LOOKUP_SPAN, "gen_ai.request.id": "r1-abcdefgh", "gen_ai.usage.input_tokens": 40,
+              "kvmiss.cached_tokens": 16, "kvmiss.route.worker": "A", "kvmiss.block_hashes": [7, H - 2**64, 9],
+              "kvmiss.lookup_time_unix_nano": int(1020.5e9), "end": int(1020.5e9) + 50_000}
+    (alone, _), = _judge_all([export_request(dict(lookup))], wire=False)[0]
+    assert alone.finish_time is None
+    engine = vllm_request_span(end=int(1021.5e9), **{"gen_ai.usage.completion_tokens": 42})
+    (joined, _), = _judge_all([export_request(dict(lookup)), timed_request(engine)], wire=False)[0]
+    assert joined.finish_time == pytest.approx(1021.5) and joined.output_tokens == 42
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["message", "bytes"])
+def test_a_span_carrying_only_token_usage_passes_straight_through_as_before(wire):
+    """An LLM client's span with its completion count is no request kvmiss could judge: it is
+    neither held nor labelled, and joins no request."""
+    client = {"name": "openai.chat", "gen_ai.usage.output_tokens": 7, "end": int(1030e9)}
+    judged, sink, pipe = _judge_all([export_request(dict(client))], wire=wire)
+    assert judged == [] and len(sink.requests) == 1 and _verdict_outputs(sink) == [{}]
+    assert pipe.stats.unenriched == {} and pipe.pending_spans == 0
+    router = router_span(**{"gen_ai.usage.input_tokens": 40})
+    (facts, _), = _judge_all([export_request(dict(client), router)], wire=wire)[0]
+    assert facts.output_tokens is None and facts.finish_time is None  # it did not join the request
+
+
+def _verdict_outputs(sink: Sink) -> list[dict]:
+    return [{k: v for k, v in attrs(s).items() if k.startswith("kvmiss.")} for r in sink.requests for s in _spans_of(r)]
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["message", "bytes"])
+@pytest.mark.parametrize("cached", [16, 32], ids=["evicted", "hit"])
+def test_the_verdict_is_the_same_with_and_without_finish_time_and_output_tokens(cached, wire):
+    def requests(whatif: bool) -> list:
+        extra_router = {"end": int(1022.75e9), "gen_ai.usage.output_tokens": 99} if whatif else {}
+        extra_engine = {"end": int(1021.5e9), "gen_ai.usage.completion_tokens": 42} if whatif else {}
+        router = router_span(**{"gen_ai.usage.cache_read.input_tokens": cached, **extra_router})
+        del router["kvmiss.lookup_time_unix_nano"]
+        return [export_request(router), timed_request(vllm_request_span(**extra_engine))]
+
+    with_facts, with_sink, _ = _judge_all(requests(True), wire=wire)
+    without, without_sink, _ = _judge_all(requests(False), wire=wire)
+    assert with_facts[0][0].finish_time is not None and without[0][0].finish_time is None
+    assert [v for _, v in with_facts] == [v for _, v in without]
+    assert _verdict_outputs(with_sink) == _verdict_outputs(without_sink)
+    assert with_facts[0][1].label.value == ("hit" if cached == 32 else "evicted")

@@ -186,6 +186,63 @@ def _file_spans(path) -> list:
     return [s for r in requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
 
 
+def test_judged_requests_leave_request_records_with_the_engines_finish_and_no_prompt_material(fleet, sink, tmp_path):
+    """[export] request_records: real spans from the OTel SDK's OTLP exporter in, one line per
+    judged request out, read back by `kvmiss attribute`'s reader -- the finish time is vLLM's
+    span end, no token id is written -- and the file's metrics on /metrics."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvmiss.enricher.service.offline import read_requests
+
+    eps, pubs = fleet
+    path = tmp_path / "requests.jsonl"
+    config = make_config(eps, sink.endpoint).replace("[engine]", f'request_records = "{path}"\n[engine]')
+    running = RunningService(parse_config(config))
+    try:
+        svc = running.service
+        t0 = time.time()
+        time.sleep(0.3)
+        pubs["w0"].publish(batch(t0, stored=[([P, H], None)]))
+        for k in range(1, 6):
+            pubs["w0"].publish(batch(t0 + 0.01 * k))
+            pubs["w1"].publish(batch(t0 + 0.01 * k))
+        lookup = t0 + 0.035
+        memory = InMemorySpanExporter()
+        provider = TracerProvider(resource=Resource.create({"service.name": "router"}))
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        provider.add_span_processor(SimpleSpanProcessor(
+            OTLPSpanExporter(endpoint=f"http://127.0.0.1:{svc.receivers.http_port}/v1/traces")))
+        tracer = provider.get_tracer("test-router")
+        for rid, cached, out in (("hit", 32, 7), ("miss", 16, 40)):
+            with tracer.start_as_current_span("route", attributes=router_attrs(rid, "w0", [P, H, 7], cached, lookup)):
+                time.sleep(0.01)
+                with tracer.start_as_current_span("llm_request", kind=trace.SpanKind.SERVER, attributes={
+                        "gen_ai.request.id": rid, "gen_ai.usage.prompt_tokens": 40,
+                        "gen_ai.usage.completion_tokens": out, "gen_ai.latency.time_in_queue": 0.001}):
+                    time.sleep(0.01)
+                time.sleep(0.01)  # the router's span ends later: the engine's end is the finish
+        provider.shutdown()
+        sink.wait_for_spans(4)
+        assert svc.request_records.force_flush()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics").read().decode()
+    finally:
+        running.stop()
+    ends = {s.attributes["gen_ai.request.id"]: s.end_time / 1e9 for s in memory.get_finished_spans()
+            if s.name == "llm_request"}
+    with open(path, "rb") as lines:
+        records = {r.request_id: r for r in read_requests(lines)}
+    assert set(records) == {"hit", "miss"}
+    for rid, out in (("hit", 7), ("miss", 40)):
+        r = records[rid]
+        assert (r.worker, r.block_hashes, r.output_tokens) == ("w0", [P, H, 7], out)
+        assert r.finish_time == pytest.approx(ends[rid], abs=1e-6) and r.lookup_time == pytest.approx(lookup)
+        assert r.token_ids is None and r.extra_keys is None
+    text = path.read_text()
+    assert "token_ids" not in text and "[1,2,3]" not in text  # the router's opt-in token ids stay in memory
+    assert "kvmiss_request_records_written_total 2.0" in metrics
+    assert 'kvmiss_request_records_dropped_total{reason="write_error"} 0.0' in metrics
+
+
 def test_a_bad_worker_endpoint_fails_start_up_with_a_clear_error(sink):
     config = parse_config(make_config({"w0": ("tcp://127.0.0.1", None)}, sink.endpoint)
                           .replace('replay_endpoint = "None"\n', ""))
