@@ -529,7 +529,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("needs Linux (/proc) for the CPU figures")
     ctx = multiprocessing.get_context("spawn")
     work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-serve-"))
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.workers)]
+    ports: set[int] = set()
+    while len(ports) < args.workers:  # distinct: the OS may hand a just-closed port out again
+        ports.add(free_port())
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in sorted(ports)]
     http_port, metrics_port = free_ports(args.processes), free_ports(args.processes)
     children, procs = [], []
     try:
