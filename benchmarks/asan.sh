@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The compiled parts -- the residency table (enricher/core/_blocktable.c) and the span scanner
-# (enricher/otlp/_otlpwire.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
+# The compiled parts -- the residency table (enricher/core/_blocktable.c), the span scanner
+# (enricher/otlp/_otlpwire.c) and the KV-event reader (collectors/_kvwire.c) -- under AddressSanitizer and UndefinedBehaviorSanitizer: rebuild
 # them instrumented, run the tests that drive them hardest (differential tests against the
 # reference models, fuzzers, hostile input, retention), then put the normal builds back.
 #   usage: bash benchmarks/asan.sh   (needs gcc, .venv)
@@ -15,7 +15,7 @@ restore() {
     done
 }
 trap restore EXIT
-for source in enricher/core/_blocktable.c enricher/otlp/_otlpwire.c; do
+for source in enricher/core/_blocktable.c enricher/otlp/_otlpwire.c collectors/_kvwire.c; do
     so=$(ls "${source%.c}"*.so)
     backup=$(mktemp)
     cp "$so" "$backup"
@@ -30,4 +30,5 @@ KVMISS_REQUIRE_ACCELERATED=1 \
     tests/security tests/reliability/test_retention_pruning.py tests/enricher/core/test_fleet_holders.py \
     tests/enricher/core/test_evidence.py tests/enricher/core/test_worked_cases.py \
     tests/enricher/service/test_offline.py tests/enricher/otlp/test_span_scan.py \
-    tests/enricher/service/test_pipeline.py tests/enricher/otlp/test_receiver.py
+    tests/enricher/service/test_pipeline.py tests/enricher/otlp/test_receiver.py \
+    tests/collectors/test_kvwire.py tests/collectors/test_stream_fast_path.py tests/collectors/test_collector_faults.py
