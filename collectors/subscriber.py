@@ -50,6 +50,9 @@ def _compiled_receiver() -> Callable[[int, int], list[list[bytes]]] | None:
 # Bounded draining keeps one busy worker from starving the others and the timers.
 MAX_MESSAGES_PER_SOCKET = 256
 POLL_INTERVAL_S = 0.05
+POLL_GAP_PER_SOCKET_S = 5e-6  # between two polls that find messages: ~5x a poll's own cost
+MAX_POLL_GAP_S = 0.005
+MIN_SLEEP_S = 0.0002
 SUB_RCVHWM = 200_000  # above the publishers' default 100,000 send HWM
 # Sockets one worker may hold at once: its SUB, the SUB's monitor pair, a replay DEALER and a
 # tail probe's, with room to spare. ZeroMQ's default cap (1,023 per context) ran out at ~224
@@ -81,6 +84,10 @@ class Subscriber:
         self._ctx = context
         self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
         self._recv_messages = _compiled_receiver()
+        self._due: float | None = None  # the soonest timer of any stream (may be early, never late)
+        self._last_poll = float("-inf")  # monotonic time of the last poll
+        self._found = False  # whether it found a socket ready
+        self._last_round = float("-inf")  # when timers last ran
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
@@ -186,17 +193,33 @@ class Subscriber:
     # --- the loop --------------------------------------------------------------------------
 
     def _poll_once(self) -> None:
-        deadline = self.fleet.next_deadline()
+        # A poll costs about a microsecond per socket (zmq_poll asks each one for its events):
+        # with hundreds of workers, polling on every arrival took a core at 2,000 batches/s
+        # (bench_ceiling.py, 256 workers). After a poll that found messages the next waits a
+        # few microseconds per socket, so they are read in batches (ZeroMQ holds them).
+        gap = min(MAX_POLL_GAP_S, POLL_GAP_PER_SOCKET_S * len(self._roles))
+        wait = self._last_poll + gap - time.monotonic()
+        if self._found and wait > MIN_SLEEP_S:  # (a small fleet's gap is below what sleep can do)
+            time.sleep(wait)
+        due = self._due
         timeout = POLL_INTERVAL_S
-        if deadline is not None:
-            timeout = max(0.0, min(timeout, deadline - self.clock()))
+        if due is not None:
+            timeout = max(0.0, min(timeout, due - self.clock()))
+        self._last_poll = time.monotonic()
         ready = dict(self._poller.poll(timeout * 1000))
+        self._found = bool(ready)
         # Connection facts first: a reconnect must reach the stream before the new
         # connection's first batch does.
         for sock in sorted(ready, key=lambda s: self._roles.get(s, ("",))[0] != MONITOR):
             if sock in self._roles:
                 self._drain(sock)
         now = self.clock()
+        # Timers run when one is due, and every poll interval anyway (time-based health keeps
+        # up). Not after every wake-up: a round asks every stream, and with hundreds of workers
+        # that was most of the collector's CPU at low batch rates (bench_ceiling.py).
+        if (self._due is None or self._due > now) and now - self._last_round < POLL_INTERVAL_S:
+            return
+        self._last_round = now
         if self.recorder is not None:  # playback must run each timer at this same point
             for worker, stream in self.fleet.streams.items():
                 due = stream.next_deadline
@@ -204,6 +227,7 @@ class Subscriber:
                     self.recorder.write(RecordedMessage(now, worker, TICK, []))
         for worker, replay in self.fleet.on_tick(now):
             self._send_replay(worker, replay)
+        self._due = self.fleet.next_deadline()
 
     def _drain(self, sock: zmq.Socket) -> None:
         role, worker, request_id = self._roles[sock]
@@ -239,6 +263,9 @@ class Subscriber:
             self.recorder.write(RecordedMessage(now, worker, role, frames, request_id))
         for replay in self.fleet.on_message(worker, role, frames, now, request_id):
             self._send_replay(worker, replay)
+        due = self.fleet.streams[worker].next_deadline  # the soonest timer, kept without a round
+        if due is not None and (self._due is None or due < self._due):
+            self._due = due
 
     def _monitor_fact(self, worker: str, event: dict) -> list[bytes] | None:
         kind = event["event"]
