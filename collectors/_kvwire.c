@@ -46,18 +46,19 @@ static inline uint64_t be(const uint8_t *p, int n) {
     return v;
 }
 
-/* Length of an array (or map) header at r->p. */
-static int read_array(Reader *r, uint32_t *n) {
+/* The count of an array or map header at r->p: `fix` is the type's fix-size marker (0x90
+ * array, 0x80 map), `wide` its 16-bit form (0xdc, 0xde; the 32-bit form follows it). */
+static int read_header(Reader *r, uint8_t fix, uint8_t wide, uint32_t *n) {
     if (!need(r, 1))
         return 0;
     uint8_t b = *r->p;
-    if (b >= 0x90 && b <= 0x9f) {
+    if ((b & 0xf0) == fix) {
         *n = b & 0x0f;
         r->p += 1;
-    } else if (b == 0xdc && need(r, 3)) {
+    } else if (b == wide && need(r, 3)) {
         *n = (uint32_t)be(r->p + 1, 2);
         r->p += 3;
-    } else if (b == 0xdd && need(r, 5)) {
+    } else if (b == wide + 1 && need(r, 5)) {
         *n = (uint32_t)be(r->p + 1, 4);
         r->p += 5;
     } else
@@ -65,23 +66,9 @@ static int read_array(Reader *r, uint32_t *n) {
     return 1;
 }
 
-static int read_map(Reader *r, uint32_t *n) {
-    if (!need(r, 1))
-        return 0;
-    uint8_t b = *r->p;
-    if (b >= 0x80 && b <= 0x8f) {
-        *n = b & 0x0f;
-        r->p += 1;
-    } else if (b == 0xde && need(r, 3)) {
-        *n = (uint32_t)be(r->p + 1, 2);
-        r->p += 3;
-    } else if (b == 0xdf && need(r, 5)) {
-        *n = (uint32_t)be(r->p + 1, 4);
-        r->p += 5;
-    } else
-        return 0;
-    return 1;
-}
+static inline int read_array(Reader *r, uint32_t *n) { return read_header(r, 0x90, 0xdc, n); }
+
+static inline int read_map(Reader *r, uint32_t *n) { return read_header(r, 0x80, 0xde, n); }
 
 static inline int read_nil(Reader *r) {
     if (need(r, 1) && *r->p == 0xc0) {

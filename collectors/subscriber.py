@@ -84,7 +84,7 @@ class Subscriber:
         self._ctx = context
         self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
         self._recv_messages = _compiled_receiver()
-        self._due: float | None = None  # the soonest timer of any stream (may be early, never late)
+        self._due: float | None = None  # the soonest timer as of the last round or replay request
         self._last_poll = float("-inf")  # monotonic time of the last poll
         self._found = False  # whether it found a socket ready
         self._last_round = float("-inf")  # when timers last ran
@@ -263,9 +263,6 @@ class Subscriber:
             self.recorder.write(RecordedMessage(now, worker, role, frames, request_id))
         for replay in self.fleet.on_message(worker, role, frames, now, request_id):
             self._send_replay(worker, replay)
-        due = self.fleet.streams[worker].next_deadline  # the soonest timer, kept without a round
-        if due is not None and (self._due is None or due < self._due):
-            self._due = due
 
     def _monitor_fact(self, worker: str, event: dict) -> list[bytes] | None:
         kind = event["event"]
@@ -297,3 +294,8 @@ class Subscriber:
         dealer.send_multipart(encode_replay_request(replay.start_seq))
         self._dealers[worker] = dealer
         self._register(dealer, DEALER, worker, replay.request_id)
+        # Its time-out is the one timer a message can bring closer than the next round (a tail
+        # probe falls due an interval of silence later): keep the poll from sleeping past it.
+        due = self.fleet.streams[worker].next_deadline
+        if due is not None and (self._due is None or due < self._due):
+            self._due = due
