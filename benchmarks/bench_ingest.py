@@ -31,6 +31,18 @@ BLOCKS_PER_STORE = 2
 REMOVALS_PER_BATCH = 8
 
 
+def stored_event(rng: random.Random, with_parent: bool = True) -> BlockStored:
+    """One BlockStored of BLOCKS_PER_STORE new 16-token blocks as vLLM 0.33 sends it (a random
+    parent link, or none: a chain from the root)."""
+    hashes = [rng.getrandbits(64) for _ in range(BLOCKS_PER_STORE)]
+    tokens = [rng.randrange(150_000) for _ in range(16 * BLOCKS_PER_STORE)]
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=rng.getrandbits(64) if with_parent else None,
+        token_ids=msgspec.Raw(msgspec.msgpack.encode(tokens)), block_size=16,
+        medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention",
+        extra_keys=[None] * BLOCKS_PER_STORE)
+
+
 def build_frames(n_batches: int, seed: int = 7, ts_step: float = 0.01) -> tuple[list[list[bytes]], int]:
     rng = random.Random(seed)
     resident: list[int] = []
@@ -38,14 +50,8 @@ def build_frames(n_batches: int, seed: int = 7, ts_step: float = 0.01) -> tuple[
     for seq in range(n_batches):
         batch_events = []
         for _ in range(STORES_PER_BATCH):
-            hashes = [rng.getrandbits(64) for _ in range(BLOCKS_PER_STORE)]
-            tokens = [rng.randrange(150_000) for _ in range(16 * BLOCKS_PER_STORE)]
-            batch_events.append(BlockStored(
-                block_hashes=hashes, parent_block_hash=rng.getrandbits(64),
-                token_ids=msgspec.Raw(msgspec.msgpack.encode(tokens)), block_size=16,
-                medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention",
-                extra_keys=[None] * BLOCKS_PER_STORE))
-            resident.extend(hashes)
+            batch_events.append(stored_event(rng))
+            resident.extend(batch_events[-1].block_hashes)
         for _ in range(min(REMOVALS_PER_BATCH, len(resident) - 64)):
             victim = resident.pop(rng.randrange(len(resident)))
             batch_events.append(BlockRemoved(block_hashes=[victim], medium="GPU", group_idx=0))

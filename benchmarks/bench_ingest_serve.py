@@ -45,8 +45,7 @@ import urllib.request
 from pathlib import Path
 
 import msgspec
-from bench_ingest import (BLOCKS_PER_STORE, REMOVALS_PER_BATCH, STORES_PER_BATCH, BlockRemoved, BlockStored,
-                          EventBatch, build_frames)
+from bench_ingest import REMOVALS_PER_BATCH, STORES_PER_BATCH, BlockRemoved, EventBatch, build_frames, stored_event
 from benchlib import free_port, percentile, process_cpu_s, rss_mb
 from dynamo_indexer import DynamoIndexer, default_python
 
@@ -66,13 +65,8 @@ def build_rooted_frames(n_batches: int, seed: int = 7, ts_step: float = 0.01) ->
     for seq in range(n_batches):
         batch_events = []
         for _ in range(STORES_PER_BATCH):
-            hashes = [rng.getrandbits(64) for _ in range(BLOCKS_PER_STORE)]
-            tokens = [rng.randrange(150_000) for _ in range(16 * BLOCKS_PER_STORE)]
-            batch_events.append(BlockStored(
-                block_hashes=hashes, parent_block_hash=None,
-                token_ids=msgspec.Raw(msgspec.msgpack.encode(tokens)), block_size=16,
-                medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention",
-                extra_keys=[None] * BLOCKS_PER_STORE))
+            batch_events.append(stored_event(rng, with_parent=False))
+            hashes = batch_events[-1].block_hashes
             chains.append(list(hashes))  # popped below; the event keeps its own list
             resident += len(hashes)
         for _ in range(min(REMOVALS_PER_BATCH, resident - 64)):
@@ -137,18 +131,25 @@ def scraper(port: int, hz: float, stop: threading.Event, count: list[int], path:
             pass
 
 
-def run_once(args, target: str = "kvmiss") -> dict:
-    if target == "dynamo":
-        return run_once_dynamo(args)
+def start_publisher(args, port: int):
+    """The publisher process, bound on ``port`` with its batches built: (process, its end of
+    the pipe, block events it will send)."""
     ctx = multiprocessing.get_context("spawn")
-    work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-ingest-"))
-    pub_port, http_port, metrics_port = free_port(), free_port(), free_port()
     parent, child = ctx.Pipe()
-    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream, args.engine_rate),
-                      daemon=True)
+    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{port}", args.batches, args.stream,
+                                                   args.engine_rate), daemon=True)
     pub.start()
     kind, events = parent.recv()
     assert kind == "bound", events
+    return pub, parent, events
+
+
+def run_once(args, target: str = "kvmiss") -> dict:
+    if target == "dynamo":
+        return run_once_dynamo(args)
+    work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-ingest-"))
+    pub_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    pub, parent, events = start_publisher(args, pub_port)
     config = work / "kvmiss.toml"
     config.write_text(f'[otlp]\ngrpc = ""\nhttp = "127.0.0.1:{http_port}"\n[engine]\nblock_size = 16\n'
                       f'[privacy]\ndigest_key = "bench-ingest-serve-key-0001"\n'
@@ -227,15 +228,9 @@ def run_once(args, target: str = "kvmiss") -> dict:
 def run_once_dynamo(args) -> dict:
     """run_once's publisher and measurement, with Dynamo's standalone indexer as the consumer.
     Its counter is in events (not batches): the span is 10 % to 90 % of the events."""
-    ctx = multiprocessing.get_context("spawn")
     work = Path(tempfile.mkdtemp(prefix="kvmiss-bench-ingest-dynamo-"))
     pub_port = free_port()
-    parent, child = ctx.Pipe()
-    pub = ctx.Process(target=publisher_main, args=(child, f"tcp://127.0.0.1:{pub_port}", args.batches, args.stream, args.engine_rate),
-                      daemon=True)
-    pub.start()
-    kind, events = parent.recv()
-    assert kind == "bound", events
+    pub, parent, events = start_publisher(args, pub_port)
     dyn = DynamoIndexer(f"tcp://127.0.0.1:{pub_port}", python=args.dynamo_python, block_size=16,
                         threads=args.dynamo_threads, log_path=work / "dynamo.log")
     stop, scrapes = threading.Event(), [0]
