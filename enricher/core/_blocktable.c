@@ -1369,9 +1369,80 @@ static PyObject *bloom_add(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* --- the fleet view's sweep ----------------------------------------------------------------- */
+
+PyDoc_STRVAR(holding_doc,
+"holding(hash, tables) -> list of int\n\n"
+"The positions in ``tables`` (a tuple of BlockTable) of the tables with a record of ``hash``\n"
+"(``hash in table``). A hash that is not an int in [0, 2**64) is in none.");
+
+/* One call for every other worker of the fleet (enricher/core/evidence.py `FleetRound`): the
+ * tables are large and cold, so each probe is a cache miss. The home slots of a chunk are
+ * prefetched first and probed after, so the misses overlap instead of queueing. */
+#define HOLDING_CHUNK 32
+
+static PyObject *holding(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "holding(hash, tables)");
+        return NULL;
+    }
+    if (!PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "tables must be a tuple of BlockTable");
+        return NULL;
+    }
+    PyObject *tables = args[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(tables);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (Py_TYPE(PyTuple_GET_ITEM(tables, j)) != &BlockTableType) {
+            PyErr_SetString(PyExc_TypeError, "tables must be a tuple of BlockTable");
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(0);
+    uint64_t key;
+    if (!out)
+        return NULL;
+    if (key_of(args[0], &key) < 0) {
+        PyErr_Clear();
+        return out;
+    }
+    uint64_t mixed = mix(key);
+    size_t home[HOLDING_CHUNK];
+    for (Py_ssize_t lo = 0; lo < n; lo += HOLDING_CHUNK) {
+        Py_ssize_t hi = lo + HOLDING_CHUNK < n ? lo + HOLDING_CHUNK : n;
+        for (Py_ssize_t j = lo; j < hi; j++) {
+            const BlockTable *t = (const BlockTable *)PyTuple_GET_ITEM(tables, j);
+            home[j - lo] = (size_t)(((__uint128_t)mixed * t->cap) >> 64);
+            __builtin_prefetch(&t->slots[home[j - lo]]);
+        }
+        for (Py_ssize_t j = lo; j < hi; j++) {
+            const BlockTable *t = (const BlockTable *)PyTuple_GET_ITEM(tables, j);
+            for (size_t i = home[j - lo];;) {
+                const Slot *s = &t->slots[i];
+                if (!s->word)
+                    break;
+                if (s->key == key) {
+                    PyObject *pos = PyLong_FromSsize_t(j);
+                    if (!pos || PyList_Append(out, pos) < 0) {
+                        Py_XDECREF(pos);
+                        Py_DECREF(out);
+                        return NULL;
+                    }
+                    Py_DECREF(pos);
+                    break;
+                }
+                if (++i == t->cap)
+                    i = 0;
+            }
+        }
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"bisect_left", (PyCFunction)(void (*)(void))log_bisect_left, METH_FASTCALL, bisect_doc},
     {"bloom_add", (PyCFunction)(void (*)(void))bloom_add, METH_FASTCALL, bloom_add_doc},
+    {"holding", (PyCFunction)(void (*)(void))holding, METH_FASTCALL, holding_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,7 +12,7 @@ from typing import Collection
 import msgspec
 
 from kvmiss.enricher.core.divergence import diverge
-from kvmiss.enricher.core.evidence import Clocks, gather
+from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.core.verdict import attribute, lookup_limit_tokens
@@ -41,6 +41,18 @@ class Attributor:
         # Workers of the fleet that spans name and the index does not follow (kept by the
         # pipeline): none of them can be ruled out as a holder.
         self.unsubscribed: Collection[str] = ()
+        self._round: FleetRound | None = None  # while the index and the clocks stay the same
+
+    def clocks_changed(self) -> None:
+        """The clocks ``clocks`` reads have moved (the index's changes are seen by itself)."""
+        self._round = None
+
+    def fleet_round(self) -> FleetRound:
+        """The fleet view's key-independent part for the index as it is now."""
+        fleet = self._round
+        if fleet is None or fleet.generation != self.index.generation:
+            fleet = self._round = FleetRound(self.index, self.clocks)
+        return fleet
 
     def attribute(self, facts: RequestFacts) -> Verdict:
         needs_evidence = (
@@ -49,7 +61,7 @@ class Attributor:
         )
         evidence = (
             gather(self.index, facts, aged_out_as_recent_match=self.aged_out_as_recent_match,
-                   clocks=self.clocks, unsubscribed=self.unsubscribed)
+                   clocks=self.clocks, unsubscribed=self.unsubscribed, fleet=self.fleet_round())
             if needs_evidence else None
         )
         digest = self.digest_key.digest_block if self.digest_key is not None else None

@@ -36,9 +36,11 @@ consulted for nothing: neither a holder nor ruled out (`Evidence.skewed_workers`
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from typing import Callable, Collection, Iterable, NamedTuple
 
 from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
+from kvmiss.enricher.core.residency_table import BlockTable, holding
 from kvmiss.schemas.attribution import (
     ClockOffset,
     Evidence,
@@ -173,44 +175,132 @@ def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MAR
 Clocks = Callable[[str], ClockOffset | None]  # worker id -> its measured clock, None: unmeasured
 
 
+def _absence_window(view: EpochView | None, margin: float) -> tuple[float, float] | None:
+    """The lookup times t at which this current view rules a block out by having no record
+    of it (`_clean_without`'s key-independent conditions): from the latest of its known-empty
+    point, its current run's start, its first batch and its retention horizon, through where
+    its history is proven. None when no t qualifies."""
+    if view is None or not view.epoch_certain or not view.runs:
+        return None
+    since, through = view.known_empty_since, view.reached_through(margin)
+    if since is None or through is None:
+        return None
+    lo = max(since, view.runs[-1].start_ts, view.first_ts)  # type: ignore[type-var]
+    if view.horizon_ts is not None:
+        lo = max(lo, view.horizon_ts)
+    return (lo, through) if lo <= through else None  # (NaN compares false: never a window)
+
+
+class FleetRound:
+    """The fleet view's key-independent part for one state of the index and the clocks, so
+    that a request pays for the workers that may matter to its block, not for the fleet.
+
+    Built once per judging round (`Attributor` keeps it while ``index.generation`` and the
+    clocks stay the same): each tracked worker is either skewed (its clock out of bound:
+    consulted for nothing), judged one by one for every block (no absence window: a gap, an
+    unsettled epoch, nothing applied yet), or has an absence window [lo, hi] of lookup times
+    at which having no record of a block proves it absent. For one request `others` then
+    returns, in fleet order, the workers to judge one by one: those without a window, those
+    whose window misses t (two bisects), and those with a record of the block (one compiled
+    sweep over their tables, `residency_table.holding`). Every other worker is ruled out by
+    exactly the check `_clean_without` makes, so `_fleet` gives the answer the per-worker loop
+    gives (tests/enricher/core/test_fleet_round.py holds them together)."""
+
+    __slots__ = ("generation", "workers", "position", "skewed", "slow", "tables", "table_pos",
+                 "_los", "_lo_pos", "_his", "_hi_pos")
+
+    def __init__(self, index: ResidencyIndex, clocks: Clocks | None = None):
+        self.generation = index.generation
+        margin = index.tail_margin_s
+        self.workers: list[str] = list(index.tracked)  # the per-worker loop's order
+        self.position = {worker: pos for pos, worker in enumerate(self.workers)}
+        self.skewed: list[tuple[str, ClockOffset]] = []
+        self.slow: list[int] = []
+        tables: list[BlockTable] = []
+        self.table_pos: list[int] = []
+        windows: list[tuple[float, float, int]] = []
+        current = index.current
+        for pos, worker in enumerate(self.workers):
+            clock = clocks(worker) if clocks is not None else None
+            if clock is not None and not clock.within_bound:
+                self.skewed.append((worker, clock))
+                continue
+            view = current.get(worker)
+            window = _absence_window(view, margin)
+            if window is None:
+                self.slow.append(pos)
+                continue
+            windows.append((*window, pos))
+            for table in view.media.values():  # type: ignore[union-attr]
+                tables.append(table)
+                self.table_pos.append(pos)
+        self.tables = tuple(tables)
+        windows.sort()
+        self._los = [lo for lo, _, _ in windows]
+        self._lo_pos = [pos for _, _, pos in windows]
+        windows.sort(key=lambda w: w[1])
+        self._his = [hi for _, hi, _ in windows]
+        self._hi_pos = [pos for _, _, pos in windows]
+
+    def others(self, chosen: str, key: int, t: float) -> list[str]:
+        """The workers besides ``chosen`` that have to be judged one by one for ``key`` at
+        ``t``, in fleet order (the rest provably never held it)."""
+        if t != t:  # NaN: no window holds it, every worker not skewed is judged
+            picked = {*self.slow, *self._lo_pos}
+        else:
+            picked = set(self.slow)
+            picked.update(self._lo_pos[bisect_right(self._los, t):])  # window starts after t
+            picked.update(self._hi_pos[:bisect_left(self._his, t)])  # history not proven to t
+            table_pos = self.table_pos
+            picked.update(table_pos[i] for i in holding(key, self.tables))
+        picked.discard(self.position.get(chosen))  # type: ignore[arg-type]
+        workers = self.workers
+        return [workers[pos] for pos in sorted(picked)]
+
+
+def _other_worker(index: ResidencyIndex, worker: str, key: int, t: float,
+                  margin: float) -> Holder | History | None:
+    """One other worker (its clock in bound): a holder of H at t, why it cannot be ruled
+    out, or None when it provably did not hold H."""
+    view = index.current.get(worker)
+    first_ts = view.first_ts if view is not None else None
+    if first_ts is None or t < first_ts:  # (else the current lifetime served t: `_choose_view`)
+        views = index.views(worker)
+        view = _choose_view(views, None, t, margin) if views else None
+        if view is None:
+            return History.EPOCH_UNKNOWN if views else History.LAGGING
+        if view.first_ts is not None and t < view.first_ts:
+            return None  # a fresh epoch before its first batch: its cache was still empty
+    if _clean_without(view, key, t, margin):
+        return None  # provably never had it
+    medium, held = _worker_held(view, key, t, margin=margin)
+    if held.node is not None:
+        return Holder(worker, medium, held.node.stored_ts)  # type: ignore[arg-type]
+    return held.unresolved
+
+
 def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
-           unsubscribed: Collection[str] = (),
+           unsubscribed: Collection[str] = (), fleet: FleetRound | None = None,
            ) -> tuple[tuple[Holder, ...], tuple[History, ...], tuple[ClockOffset, ...]]:
     """Every other tracked worker: who provably held H at t, why the rest that may have
     cannot be ruled out, and which were not consulted because their clock is out of bound.
     All three decide whether a label below routing_miss is provable. Workers of the fleet
     that are not subscribed to (``unsubscribed``: named by spans, absent from the index) may
-    have held H: each is unresolved, never absent."""
+    have held H: each is unresolved, never absent. ``fleet``: the round's `FleetRound`
+    (built here when not given: O(workers))."""
+    if fleet is None:
+        fleet = FleetRound(index, clocks)
     holders: list[Holder] = []
     unresolved: list[History] = [History.UNTRACKED for worker in unsubscribed if worker != chosen]
-    skewed: list[ClockOffset] = []
     margin = index.tail_margin_s
-    current = index.current
-    for worker in index.tracked:
-        if worker == chosen:
-            continue
-        clock = clocks(worker) if clocks is not None else None
-        if clock is not None and not clock.within_bound:
-            skewed.append(clock)  # its event times cannot be placed against t
-            continue
-        view = current.get(worker)
-        first_ts = view.first_ts if view is not None else None
-        if first_ts is None or t < first_ts:  # (else the current lifetime served t: `_choose_view`)
-            views = index.views(worker)
-            view = _choose_view(views, None, t, margin) if views else None
-            if view is None:
-                unresolved.append(History.EPOCH_UNKNOWN if views else History.LAGGING)
-                continue
-            if view.first_ts is not None and t < view.first_ts:
-                continue  # a fresh epoch before its first batch: its cache was still empty
-        if _clean_without(view, key, t, margin):
-            continue  # the common case, in O(1): provably never had it
-        medium, held = _worker_held(view, key, t, margin=margin)
-        if held.node is not None:
-            holders.append(Holder(worker, medium, held.node.stored_ts))  # type: ignore[arg-type]
-        elif held.unresolved is not None:
-            unresolved.append(held.unresolved)
-    return tuple(holders), tuple(unresolved), tuple(skewed)
+    for worker in fleet.others(chosen, key, t):
+        found = _other_worker(index, worker, key, t, margin)
+        if found.__class__ is Holder:
+            holders.append(found)  # type: ignore[arg-type]
+        elif found is not None:
+            unresolved.append(found)  # type: ignore[arg-type]
+    skewed = tuple(clock for worker, clock in fleet.skewed if worker != chosen)
+    return tuple(holders), tuple(unresolved), skewed
 
 
 def gather(
@@ -220,6 +310,7 @@ def gather(
     aged_out_as_recent_match: bool = False,
     clocks: Clocks | None = None,
     unsubscribed: Collection[str] = (),
+    fleet: FleetRound | None = None,
 ) -> Evidence:
     """Judge the request's first-miss block against the index at its lookup time.
 
@@ -229,6 +320,8 @@ def gather(
     ``clocks``: each tracked worker's measured clock offset (see the module docstring);
     None when the deployment does not measure it (offline, in-process: one host's clock).
     ``unsubscribed``: workers of the fleet the index does not follow (see `_fleet`).
+    ``fleet``: a `FleetRound` of this index in its current state and these clocks, when the
+    caller judges many requests between changes (built per call otherwise).
     """
     worker, t = facts.worker, facts.lookup_time
     if worker is None or worker not in index.tracked:
@@ -253,7 +346,7 @@ def gather(
     run = view.run_at_step(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
-    holders, unresolved, skewed = _fleet(index, worker, key, t, clocks, unsubscribed) if key is not None else ((), (), ())
+    holders, unresolved, skewed = _fleet(index, worker, key, t, clocks, unsubscribed, fleet) if key is not None else ((), (), ())
     tiers: list[TierHolding] = []
     for medium in view.media:
         if medium != GPU and key is not None:

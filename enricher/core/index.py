@@ -448,9 +448,13 @@ class ResidencyIndex:
         self.previous: dict[str, collections.deque[EpochView]] = {}
         self.tracked: set[str] = set(workers)
         self.prune_pending = False  # a limited `prune` stopped with more due
+        # Bumped by every change (apply, confirm_tail, prune): what is derived from the whole
+        # index for a judging round (evidence.FleetRound) holds while it stays the same.
+        self.generation = 0
         warn_if_not_accelerated()
 
     def apply(self, batch: AppliedBatch) -> None:
+        self.generation += 1
         view = self.current.get(batch.worker)
         if (view is None or view.epoch != batch.epoch
                 or not (view.first_ts is None or 0 <= batch.seq - view.first_seq < SEQ_SPAN)):  # holds_seq
@@ -471,6 +475,7 @@ class ResidencyIndex:
         worker's current epoch and its last applied batch."""
         view = self.current.get(worker)
         if view is not None and view.epoch == epoch:
+            self.generation += 1
             view.confirm_tail(seq, at)
 
     def reaches(self, view: EpochView, t: float) -> bool:
@@ -480,6 +485,7 @@ class ResidencyIndex:
         """Apply retention at engine time ``now_ts``; returns how many blocks lost records.
         ``limit``: take at most that many retention-queue entries (a bounded pause for the
         owner); `prune_pending` is then True while more are due: call again."""
+        self.generation += 1
         horizon = now_ts - self.retention_s
         views = [*self.current.values(), *(v for older in self.previous.values() for v in older)]
         dropped, self.prune_pending = 0, False

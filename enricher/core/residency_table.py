@@ -173,7 +173,7 @@ class PyBlockTable:
 try:
     if os.environ.get("KVMISS_PURE_PYTHON_TABLE") == "1":  # to rule the C table in or out
         raise ImportError("KVMISS_PURE_PYTHON_TABLE=1")
-    from kvmiss.enricher.core._blocktable import Applier, BlockTable, bisect_left, bloom_add
+    from kvmiss.enricher.core._blocktable import Applier, BlockTable, bisect_left, bloom_add, holding
     ACCELERATED = True
 except ImportError:  # built without a C compiler: the reference model, correct but slower
     from bisect import bisect_left  # noqa: F401  (the batch log's search; boxes each probe)
@@ -181,6 +181,10 @@ except ImportError:  # built without a C compiler: the reference model, correct 
     Applier = None  # EpochView applies events in Python (index.py `_apply_event`)
     bloom_add = None  # PrunedFilter sets its bits in Python (index.py `_BloomStage.add`)
     ACCELERATED = False
+
+    def holding(block_hash: object, tables: tuple) -> list[int]:  # type: ignore[misc]
+        """The positions in ``tables`` of the tables with a record of ``block_hash``."""
+        return [i for i, table in enumerate(tables) if block_hash in table]
 
 
 _warned = False

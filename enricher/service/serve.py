@@ -184,13 +184,17 @@ class Service:
         burst's backlog is taken over several rounds), and each worker's clock is read once.
         True: the budget ran out with work left (`IndexFeed.drain`)."""
         behind = self.feed.drain(budget_s)
-        clocks = self._round_clocks
+        clocks, changed = self._round_clocks, False
         for worker in self.fleet.streams:
             clock = self.worker_clock(worker)
-            if clock is None:
-                clocks.pop(worker, None)
-            else:
-                clocks[worker] = clock
+            if clocks.get(worker) is not clock:
+                changed = True
+                if clock is None:
+                    del clocks[worker]
+                else:
+                    clocks[worker] = clock
+        if changed:
+            self.attributor.clocks_changed()
         return behind
 
     def worker_clock(self, worker: str) -> ClockOffset | None:

@@ -386,14 +386,17 @@ class TestClocks:
         assert attributor.attribute(request("A", t)).label is Label.ROUTING_MISS
         assert attributor.attribute(request("C", t)).label is Label.ROUTING_MISS
         measured["A"] = BEHIND
+        attributor.clocks_changed()  # (the service says so after each round's clocks: `Service.drain`)
         skewed = attributor.attribute(request("A", t))
         assert skewed.label is Label.UNKNOWN_HISTORY and skewed.reason.startswith("clock skew:")
         # C's own verdict does not rest on A's timing: B, in bound, held H at t
         assert attributor.attribute(request("C", t)).label is Label.ROUTING_MISS
         measured["B"] = AHEAD  # now the only holder is out of bound too
+        attributor.clocks_changed()
         c = attributor.attribute(request("C", t))
         assert c.label is Label.UNKNOWN_HISTORY and "2 streams with a clock beyond" in c.reason
         measured["A"] = measured["B"] = IN_BOUND  # back within: judged again
+        attributor.clocks_changed()
         assert attributor.attribute(request("A", t)).label is Label.ROUTING_MISS
         assert attributor.attribute(request("C", t)).label is Label.ROUTING_MISS
 
