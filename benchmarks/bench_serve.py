@@ -14,7 +14,8 @@ Four processes besides this orchestrator (which only waits on pipes while measur
   from seq 0 (so history starts at a known-empty point) a population of 24,576 resident and
   8,192 evicted blocks per worker (64-block BlockStored events, then one BlockRemoved per
   evicted block, as vLLM emits them), then keeps publishing churn (4 stores + 4 removals
-  every 10 ms per worker) for as long as the measurement runs.
+  every 10 ms per worker, ``--churn-interval-ms``) for as long as the measurement runs.
+  Before the load starts, kvmiss's CPU following that churn alone and its RSS are read.
 * loadgen: 512-span batches, 128 requests x 4 spans each (an HTTP server span, the router's
   ``route`` span with kvmiss inputs -- 64-block chain, cached tokens, worker, lookup time --,
   vLLM's ``llm_request`` span from another resource with prompt tokens and queue time, and a
@@ -60,7 +61,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchlib import free_port, machine_cpu_s, percentile, process_cpu_s, set_attr, start_sink
+from benchlib import free_port, machine_cpu_s, percentile, process_cpu_s, rss_mb, set_attr, start_sink
 
 SPANS_PER_BATCH = 512
 REQUESTS_PER_BATCH = SPANS_PER_BATCH // 4
@@ -84,6 +85,7 @@ def h(*parts: int) -> int:
     return x
 
 
+IDLE_S = 3.0  # kvmiss's CPU while it follows the churn alone, before the load starts
 RES, EVI, CHURN = 1, 2, 3  # hash families (never-stored and tail blocks are random)
 
 
@@ -113,7 +115,7 @@ def population_events(w: int, step: int) -> list:
     return [BlockRemoved(block_hashes=[h(EVI, w, k * 64 + j)]) for j in range(64)]
 
 
-def publishers_main(conn, endpoints: list[str], subscribers: int = 1) -> None:
+def publishers_main(conn, endpoints: list[str], subscribers: int = 1, churn_interval_s: float = 0.01) -> None:
     import msgspec
     import zmq
 
@@ -161,7 +163,7 @@ def publishers_main(conn, endpoints: list[str], subscribers: int = 1) -> None:
                 events += [BlockRemoved(block_hashes=[h(CHURN, w, churned - 64 + j)]) for j in range(4)]
             publish(w, events)
         churned += 4
-        next_at += 0.01
+        next_at += churn_interval_s
         time.sleep(max(0.0, next_at - time.monotonic()))
     conn.send(("stopped", list(seqs)))
     for s in socks:
@@ -510,6 +512,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="each worker's [[workers]] pool_blocks: what-if estimates on evicted misses (0: off)")
     parser.add_argument("--processes", type=int, default=1,
                         help="kvmiss serve --processes N (each follows every worker; batches spread over them)")
+    parser.add_argument("--churn-interval-ms", type=float, default=10.0,
+                        help="each worker publishes 4 stores + 4 removals this often during the run "
+                             "(10: 100 batches/s per worker; 8 x 10 ms and 128 x 160 ms are the same fleet-wide rate)")
     parser.add_argument("--batches", type=int, default=400, help="batches in the saturated phase")
     parser.add_argument("--rated", type=int, default=400, help="batches in the fixed-rate phase")
     parser.add_argument("--rate", type=float, default=40_000, help="offered spans/s in the fixed-rate phase")
@@ -545,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
         _, sink_port = receive(sink_conn, sink)
 
         pub_conn, child_conn = ctx.Pipe()
-        pubs = ctx.Process(target=publishers_main, args=(child_conn, endpoints, args.processes), name="publishers", daemon=True)
+        pubs = ctx.Process(target=publishers_main, args=(child_conn, endpoints, args.processes, args.churn_interval_ms / 1000), name="publishers", daemon=True)
         pubs.start()
         children.append(pubs)
         receive(pub_conn, pubs)  # bound
@@ -586,6 +591,12 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit("kvmiss did not apply the population within 120 s")
             time.sleep(0.2)
         population_s = time.monotonic() - t_pop
+        # Following the fleet's churn alone, before any span: what the event stream costs.
+        time.sleep(1.0)
+        cpu0, t0 = sum(process_cpu_s(p) for p in serve_pids), time.monotonic()
+        time.sleep(IDLE_S)
+        idle = {"cores": (sum(process_cpu_s(p) for p in serve_pids) - cpu0) / (time.monotonic() - t0),
+                "rss_mb": sum(rss_mb(p) for p in serve_pids)}
         spy = None
         if args.profile == "py-spy":
             spy = subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(serve.pid), "--format", "speedscope",
@@ -600,6 +611,7 @@ def main(argv: list[str] | None = None) -> None:
         children.append(gen)
         _, results = receive(gen_conn, gen, timeout=900)
         metrics = scrape_all()
+        idle["rss_end_mb"] = sum(rss_mb(p) for p in serve_pids)
         pub_conn.send("stop")
         _, final_seqs = receive(pub_conn, pubs)
         sink_conn.send("stop")
@@ -619,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
                 c.kill()
         if not args.profile:  # keep the config, serve.log and the profile only when profiling
             shutil.rmtree(work, ignore_errors=True)
-    report(args, results, metrics, tally, population_s, sum(pop_seqs), sum(final_seqs))
+    report(args, results, metrics, tally, population_s, sum(pop_seqs), sum(final_seqs), idle)
     if args.profile == "cprofile":
         import pstats
 
@@ -665,7 +677,7 @@ def summarize_speedscope(path: Path) -> None:
                 print(f"  {hits[label] / total:6.1%}  {label}")
 
 
-def report(args, results, metrics, tally, population_s, pop_batches, all_batches) -> None:
+def report(args, results, metrics, tally, population_s, pop_batches, all_batches, idle) -> None:
     import google.protobuf
     from google.protobuf.internal import api_implementation
 
@@ -676,7 +688,11 @@ def report(args, results, metrics, tally, population_s, pop_batches, all_batches
     blocks = args.workers * (RESIDENT_STEPS + EVICTED_STEPS) * 64
     print(f"population: {args.workers} workers x {(RESIDENT_STEPS + EVICTED_STEPS) * 64:,} blocks stored "
           f"({EVICTED_STEPS * 64:,} then evicted), {pop_batches:,} batches, {blocks:,} blocks, applied in {population_s:.1f} s; "
-          f"churn during the run: {all_batches - pop_batches:,} more batches (4 stores + 4 removals / 10 ms / worker)")
+          f"churn during the run: {all_batches - pop_batches:,} more batches (4 stores + 4 removals / "
+          f"{args.churn_interval_ms:g} ms / worker)")
+    print(f"before any span, following the churn alone: kvmiss {idle['cores']:.2f} cores; RSS {idle['rss_mb']:.0f} MB "
+          f"({idle['rss_mb'] * 2**20 / blocks:.0f} B per stored block, everything included), "
+          f"{idle['rss_end_mb']:.0f} MB at the end")
     print(f"workload: {SPANS_PER_BATCH}-span batches ({REQUESTS_PER_BATCH} requests x 4 spans; router spans carry a "
           f"{CHAIN_BLOCKS}-block chain), {results['raw_bytes'] / 1024:.0f} KiB protobuf, {results['gz_bytes'] / 1024:.0f} KiB gzip'd")
     rows = (("direct_paced", "direct to sink, paced    "), ("via_paced", "via kvmiss,     paced    "),

@@ -299,7 +299,7 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
             holders.append(found)  # type: ignore[arg-type]
         elif found is not None:
             unresolved.append(found)  # type: ignore[arg-type]
-    skewed = tuple(clock for worker, clock in fleet.skewed if worker != chosen)
+    skewed = tuple(clock for worker, clock in fleet.skewed if worker != chosen) if fleet.skewed else ()
     return tuple(holders), tuple(unresolved), skewed
 
 
