@@ -1407,33 +1407,24 @@ static PyObject *holding(PyObject *module, PyObject *const *args, Py_ssize_t nar
         return out;
     }
     uint64_t mixed = mix(key);
-    size_t home[HOLDING_CHUNK];
     for (Py_ssize_t lo = 0; lo < n; lo += HOLDING_CHUNK) {
         Py_ssize_t hi = lo + HOLDING_CHUNK < n ? lo + HOLDING_CHUNK : n;
         for (Py_ssize_t j = lo; j < hi; j++) {
             const BlockTable *t = (const BlockTable *)PyTuple_GET_ITEM(tables, j);
-            home[j - lo] = (size_t)(((__uint128_t)mixed * t->cap) >> 64);
-            __builtin_prefetch(&t->slots[home[j - lo]]);
+            __builtin_prefetch(&t->slots[(size_t)(((__uint128_t)mixed * t->cap) >> 64)]); /* home_of */
         }
         for (Py_ssize_t j = lo; j < hi; j++) {
-            const BlockTable *t = (const BlockTable *)PyTuple_GET_ITEM(tables, j);
-            for (size_t i = home[j - lo];;) {
-                const Slot *s = &t->slots[i];
-                if (!s->word)
-                    break;
-                if (s->key == key) {
-                    PyObject *pos = PyLong_FromSsize_t(j);
-                    if (!pos || PyList_Append(out, pos) < 0) {
-                        Py_XDECREF(pos);
-                        Py_DECREF(out);
-                        return NULL;
-                    }
-                    Py_DECREF(pos);
-                    break;
-                }
-                if (++i == t->cap)
-                    i = 0;
+            int found;
+            probe((const BlockTable *)PyTuple_GET_ITEM(tables, j), key, &found);
+            if (!found)
+                continue;
+            PyObject *pos = PyLong_FromSsize_t(j);
+            if (!pos || PyList_Append(out, pos) < 0) {
+                Py_XDECREF(pos);
+                Py_DECREF(out);
+                return NULL;
             }
+            Py_DECREF(pos);
         }
     }
     return out;
