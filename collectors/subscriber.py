@@ -1,4 +1,4 @@
-"""The ZeroMQ edge of the collector: one thread, one poller, any number of workers.
+"""The ZeroMQ edge of the collector: one thread, one epoll, any number of workers.
 
 Per worker: a SUB socket (connect, or bind for publishers that connect out) with a monitor
 socket watching its connection, and while a replay is outstanding one DEALER opened for
@@ -6,6 +6,12 @@ that request alone (the socket is the fence between requests: replies carry no i
 ZeroMQ reconnects by itself with exponential backoff (``RECONNECT_IVL`` doubling up to
 ``RECONNECT_IVL_MAX``); the monitor tells the stream when a connection came back, so it can
 verify the publisher's identity before trusting continuity.
+
+The thread waits in an epoll on each socket's ZMQ_FD, so a wait costs the sockets that have
+something, not the fleet (zmq_poll asks every socket: ~1 us each, a core at 128 busy workers).
+ZMQ_FD is edge-triggered: it signals a change, and a socket is only known empty once a
+receive returned EAGAIN. A socket read up to the per-socket cap, or touched by a send, is
+kept "pending" and read again without waiting.
 
 Everything the sockets deliver goes to the `Fleet` (state machines) and, if a recorder is
 given, to the recording first. Sink calls happen on this thread.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from typing import Callable
@@ -53,6 +60,9 @@ POLL_INTERVAL_S = 0.05
 POLL_GAP_PER_SOCKET_S = 5e-6  # between two polls that find messages: ~5x a poll's own cost
 MAX_POLL_GAP_S = 0.005
 MIN_SLEEP_S = 0.0002
+# Every socket is read once this often whether or not its ZMQ_FD signalled: a backstop, so
+# that a wake-up lost in a way not foreseen (an EINTR mid-drain) costs a delay, not a stall.
+SWEEP_INTERVAL_S = 1.0
 SUB_RCVHWM = 200_000  # above the publishers' default 100,000 send HWM
 # Sockets one worker may hold at once: its SUB, the SUB's monitor pair, a replay DEALER and a
 # tail probe's, with room to spare. ZeroMQ's default cap (1,023 per context) ran out at ~224
@@ -88,9 +98,13 @@ class Subscriber:
         self._last_poll = float("-inf")  # monotonic time of the last poll
         self._found = False  # whether it found a socket ready
         self._last_round = float("-inf")  # when timers last ran
+        self._last_sweep = float("-inf")  # when every socket was last read (SWEEP_INTERVAL_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._poller = zmq.Poller()
+        self._epoll: select.epoll | None = None  # opened on the loop's thread, in _open
+        self._by_fd: dict[int, zmq.Socket] = {}
+        self._fds: dict[zmq.Socket, int] = {}
+        self._pending: set[zmq.Socket] = set()  # not known empty: read without waiting
         self._roles: dict[zmq.Socket, tuple[str, str, int | None]] = {}
         self._dealers: dict[str, zmq.Socket] = {}
         self._connected_once: set[str] = set()
@@ -151,6 +165,7 @@ class Subscriber:
     # --- sockets ---------------------------------------------------------------------------
 
     def _open(self) -> None:
+        self._epoll = select.epoll()
         ivl, ivl_max = self._reconnect
         for spec in self.fleet.specs.values():
             sub = self._ctx.socket(zmq.SUB)
@@ -169,12 +184,22 @@ class Subscriber:
                 sub.connect(spec.sub_endpoint())
 
     def _register(self, sock: zmq.Socket, role: str, worker: str, request_id: int | None = None) -> None:
+        fd = sock.getsockopt(zmq.FD)
         self._roles[sock] = (role, worker, request_id)
-        self._poller.register(sock, zmq.POLLIN)
+        self._by_fd[fd] = sock
+        self._fds[sock] = fd
+        self._epoll.register(fd, select.EPOLLIN)
+        # Whatever was done to the socket so far (options, connect, a send) may have taken
+        # the edge its ZMQ_FD would have signalled.
+        self._pending.add(sock)
 
     def _unregister(self, sock: zmq.Socket) -> None:
         self._roles.pop(sock, None)
-        self._poller.unregister(sock)
+        self._pending.discard(sock)
+        fd = self._fds.pop(sock, None)
+        if fd is not None:
+            del self._by_fd[fd]
+            self._epoll.unregister(fd)
         sock.close(linger=0)
 
     def _close(self) -> None:
@@ -187,16 +212,17 @@ class Subscriber:
                     pass
             self._unregister(sock)
         self._dealers.clear()
+        if self._epoll is not None:
+            self._epoll.close()
         if self._own_context:
             self._ctx.destroy(linger=0)  # this thread held its every socket
 
     # --- the loop --------------------------------------------------------------------------
 
     def _poll_once(self) -> None:
-        # A poll costs about a microsecond per socket (zmq_poll asks each one for its events):
-        # with hundreds of workers, polling on every arrival took a core at 2,000 batches/s
-        # (bench_ceiling.py, 256 workers). After a poll that found messages the next waits a
-        # few microseconds per socket, so they are read in batches (ZeroMQ holds them).
+        # After a wait that found messages the next waits a few microseconds per socket, so
+        # they are read in batches (ZeroMQ holds them): one receive call per socket per
+        # batch of messages, not one per message, at hundreds of busy workers.
         gap = min(MAX_POLL_GAP_S, POLL_GAP_PER_SOCKET_S * len(self._roles))
         wait = self._last_poll + gap - time.monotonic()
         if self._found and wait > MIN_SLEEP_S:  # (a small fleet's gap is below what sleep can do)
@@ -205,8 +231,19 @@ class Subscriber:
         timeout = POLL_INTERVAL_S
         if due is not None:
             timeout = max(0.0, min(timeout, due - self.clock()))
+        if self._pending:
+            timeout = 0.0
         self._last_poll = time.monotonic()
-        ready = dict(self._poller.poll(timeout * 1000))
+        ready = self._pending
+        self._pending = set()
+        by_fd = self._by_fd
+        for fd, _ in self._epoll.poll(timeout):
+            sock = by_fd.get(fd)
+            if sock is not None:
+                ready.add(sock)
+        if self._last_poll - self._last_sweep >= SWEEP_INTERVAL_S:
+            self._last_sweep = self._last_poll
+            ready.update(self._roles)
         self._found = bool(ready)
         # Connection facts first: a reconnect must reach the stream before the new
         # connection's first batch does.
@@ -241,6 +278,8 @@ class Subscriber:
                     self._deliver(sock, worker, role, frames, request_id)
                     if sock not in self._roles:  # a replay request replaced this dealer
                         return
+                if len(messages) == MAX_MESSAGES_PER_SOCKET:  # capped, not known empty
+                    self._pending.add(sock)
                 return
         for _ in range(MAX_MESSAGES_PER_SOCKET):
             try:
@@ -255,6 +294,7 @@ class Subscriber:
             self._deliver(sock, worker, role, frames, request_id)
             if sock not in self._roles:  # a replay request replaced this dealer
                 return
+        self._pending.add(sock)  # capped, not known empty
 
     def _deliver(self, sock: zmq.Socket, worker: str, role: str, frames: list[bytes],
                  request_id: int | None) -> None:
