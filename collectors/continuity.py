@@ -27,6 +27,11 @@ REPLAY_BACKOFF = 2.0  # each retry waits this many times longer: 2, 4, 8, 16 s b
 REPLAY_COOLDOWN_S = 30.0  # after a replay went unanswered, new holes are not asked for meanwhile
 RECOVERY_BUFFER_LIMIT = 10_000  # batches held while a hole is recovered; oldest dropped first
 TAIL_PROBE_INTERVAL_S = 0.5  # idle this long (nothing received): ask replay what follows our tail
+# Tail probes in flight at once, fleet-wide: each is a DEALER socket and a connection to a
+# publisher, and a fleet that went quiet together would otherwise open one per worker at
+# once. A probe refused for that is tried again this much later.
+MAX_TAIL_PROBES = 64
+TAIL_PROBE_DEFER_S = 0.05
 # The engine clock against kvmiss's, from receive lags (`LagWindow`): live batches received
 # within this long of the newest one, and never fewer than the newest CLOCK_MIN_SAMPLES;
 # kept as one minimum per 1/CLOCK_SLOTS of the window (constant memory).
@@ -277,6 +282,7 @@ class StreamHealth(msgspec.Struct, kw_only=True):
     tail_unverified: int = 0
     tail_probes_superseded: int = 0
     tail_probes_unanswered: int = 0
+    tail_probes_deferred: int = 0  # due, but the fleet had MAX_TAIL_PROBES in flight
 
 
 class LagWindow:

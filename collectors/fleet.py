@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 import msgspec
 
-from kvmiss.collectors.continuity import RequestReplay, StreamAction, StreamConfig
+from kvmiss.collectors.continuity import MAX_TAIL_PROBES, RequestReplay, StreamAction, StreamConfig
 from kvmiss.collectors.frames import parse_live, parse_replay
 from kvmiss.collectors.recording import ReadStats, RecordedMessage, read_recording
 from kvmiss.collectors.stream import WorkerStream
@@ -35,9 +35,10 @@ class Fleet:
     """
 
     def __init__(self, specs: Iterable[WorkerSpec], sink: Sink, *,
-                 config: StreamConfig = StreamConfig()):
+                 config: StreamConfig = StreamConfig(), max_tail_probes: int = MAX_TAIL_PROBES):
         self.specs = {spec.id: spec for spec in specs}
         self.sink = sink
+        self.max_tail_probes = max_tail_probes
         self.streams = {
             spec.id: WorkerStream(spec.id, replay=spec.replay_endpoint is not None,
                                   topic_template=spec.topic_template, config=config)
@@ -56,7 +57,7 @@ class Fleet:
         elif socket == MONITOR and frames == [CONNECTED]:
             actions = stream.on_connect(now)
         elif socket == TICK:
-            actions = stream.on_tick(now)
+            actions = stream.on_tick(now, self._probes_in_flight() < self.max_tail_probes)
         else:
             return []
         return self._dispatch(worker, actions)
@@ -64,11 +65,20 @@ class Fleet:
     def on_tick(self, now: float) -> list[tuple[str, RequestReplay]]:
         """Run every due timer (replay time-outs and retries, tail probes). Every stream is
         told the time, due or not, so time-based health (seconds quarantined) keeps up with
-        a worker that has gone quiet; a stream with nothing due does nothing else."""
+        a worker that has gone quiet; a stream with nothing due does nothing else. At most
+        ``max_tail_probes`` probes are in flight at once; a stream whose probe is refused for
+        that tries again shortly (`TAIL_PROBE_DEFER_S`)."""
         out = []
+        in_flight = self._probes_in_flight()
         for worker, stream in self.streams.items():
-            out += [(worker, r) for r in self._dispatch(worker, stream.on_tick(now))]
+            was_probing = stream.probing
+            out += [(worker, r) for r in self._dispatch(
+                worker, stream.on_tick(now, in_flight < self.max_tail_probes))]
+            in_flight += stream.probing - was_probing
         return out
+
+    def _probes_in_flight(self) -> int:
+        return sum(stream.probing for stream in self.streams.values())
 
     def next_deadline(self) -> float | None:
         deadlines = [d for s in self.streams.values() if (d := s.next_deadline) is not None]

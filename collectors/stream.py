@@ -41,8 +41,8 @@ from __future__ import annotations
 from kvmiss.collectors.continuity import (
     Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, LagWindow,
     NewEpoch, Quarantine, Quarantined, Received, Recovery, RecoveryPurpose, Release, ReorderBuffer,
-    RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, TailConfirmed,
-    Unverified, bump, instance_from_topic,
+    RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, TAIL_PROBE_DEFER_S,
+    TailConfirmed, Unverified, bump, instance_from_topic,
 )
 from kvmiss.collectors.frames import BatchMessage, FrameError, Message, ReplayEnd, WireError, has_clear
 from kvmiss.schemas.stream import AppliedBatch, RunStart
@@ -179,14 +179,26 @@ class WorkerStream:
         self._offer(item)
         return self._end()
 
-    def on_tick(self, now: float) -> list[StreamAction]:
-        """Time passed; call at `next_deadline` (earlier or later is harmless)."""
+    @property
+    def probing(self) -> bool:
+        """A tail probe is in flight (its DEALER open)."""
+        recovery = self.state.recovery
+        return recovery is not None and recovery.purpose is RecoveryPurpose.TAIL_PROBE
+
+    def on_tick(self, now: float, may_probe: bool = True) -> list[StreamAction]:
+        """Time passed; call at `next_deadline` (earlier or later is harmless). With
+        ``may_probe`` false a tail probe that is due waits `TAIL_PROBE_DEFER_S` instead (the
+        fleet's bound on probes in flight); a recovery's timers run regardless."""
         self._begin(now)
         recovery = self.state.recovery
         if recovery is not None:
             if now >= recovery.deadline:
                 self._replay_timed_out(recovery)
         elif (due := self._probe_due()) is not None and now >= due:
+            if not may_probe:
+                self.state.probe_due = now + TAIL_PROBE_DEFER_S
+                self.health.tail_probes_deferred += 1
+                return self._end()
             last, applied = self.state.last_payload_seq, self.state.applied_seq
             assert last is not None and applied is not None, "a probe needs a readable tail"
             self._request(RecoveryPurpose.TAIL_PROBE, last, applied)

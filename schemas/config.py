@@ -150,6 +150,9 @@ class HistoryConfig(_Section):
     # long asks its replay endpoint whether anything follows its last batch (a tail probe);
     # "nothing" proves its history reaches the probe's time. 0 disables probing.
     tail_probe_interval_s: float = 0.5
+    # Tail probes out at once across the fleet (each is a socket and a connection to a
+    # publisher); a quiet fleet's probes beyond it wait their turn.
+    tail_probes_in_flight: int = 64
     # Bound on how far kvmiss's clock (tail probes) and the engines' clocks (batch ts,
     # lookup times) may differ, either way.
     clock_skew_s: float = 0.25
@@ -248,6 +251,9 @@ def _check(config: Config, source: str) -> None:
     if history.tail_probe_interval_s < 0 or history.clock_skew_s < 0 or history.publish_delay_s < 0:
         raise ConfigError(f"{source}: history.tail_probe_interval_s, clock_skew_s and "
                           "publish_delay_s must be >= 0 (tail_probe_interval_s = 0 disables probes)")
+    if history.tail_probes_in_flight < 1:
+        raise ConfigError(f"{source}: history.tail_probes_in_flight must be >= 1 "
+                          "(tail_probe_interval_s = 0 disables probes)")
     if not history.clock_skew_window_s > 0:
         raise ConfigError(f"{source}: history.clock_skew_window_s must be positive")
     if config.privacy.digest_key and config.privacy.digest_key_env:

@@ -179,6 +179,7 @@ class KvmissCollector(Collector):
             "tail_confirmations": CounterMetricFamily("kvmiss_stream_tail_confirmations", "Tail probes that proved a worker idle since its last batch.", labels=w),
             "tail_recoveries": CounterMetricFamily("kvmiss_stream_tail_recoveries", "Tail probes that found batches lost live and applied them.", labels=w),
             "tail_unanswered": CounterMetricFamily("kvmiss_stream_tail_probes_unanswered", "Tail probes given up without an answer.", labels=w),
+            "tail_deferred": CounterMetricFamily("kvmiss_stream_tail_probes_deferred", "Tail probes held back because the fleet had history.tail_probes_in_flight probes out already.", labels=w),
         }
         for worker, stream in sorted(self.streams().items()):
             h = stream.health
@@ -208,6 +209,7 @@ class KvmissCollector(Collector):
             fams["tail_confirmations"].add_metric([worker], h.tail_confirmations)
             fams["tail_recoveries"].add_metric([worker], h.tail_recoveries)
             fams["tail_unanswered"].add_metric([worker], h.tail_probes_unanswered)
+            fams["tail_deferred"].add_metric([worker], h.tail_probes_deferred)
         yield from fams.values()
 
     def _index(self) -> Iterator[Metric]:

@@ -110,7 +110,8 @@ class Service:
         self.feed = IndexFeed(self.index, clock)
         self.fleet = Fleet(config.workers, self._on_stream_action,
                            config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None,
-                                               clock_window_s=history.clock_skew_window_s))
+                                               clock_window_s=history.clock_skew_window_s),
+                           max_tail_probes=history.tail_probes_in_flight)
         self.subscriber = Subscriber(self.fleet, clock=clock)
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]

@@ -613,6 +613,69 @@ def test_the_fleet_tells_every_stream_the_time_so_quarantine_seconds_keep_up():
     assert fleet.streams["w0"].health.quarantine_s == pytest.approx(30.0)
 
 
+class TestFleetBoundOnTailProbes:
+    """A fleet that went quiet together must not open a probe DEALER per worker at once
+    (`Fleet.max_tail_probes`); the probes refused wait their turn, each proof still comes."""
+
+    @staticmethod
+    def quiet_fleet(workers: int, bound: int):
+        from kvmiss.collectors.fleet import DEALER, SUB, Fleet
+        from kvmiss.schemas.config import WorkerSpec
+
+        specs = [WorkerSpec(id=f"w{i}", endpoint=f"tcp://127.0.0.1:{7000 + i}",
+                            replay_endpoint=f"tcp://127.0.0.1:{8000 + i}") for i in range(workers)]
+        facts_seen: list[tuple[str, object]] = []
+        fleet = Fleet(specs, lambda w, a: facts_seen.append((w, a)), max_tail_probes=bound)
+        for spec in specs:  # one live batch each at t=1.0, then silence
+            fleet.on_message(spec.id, SUB, [TOPIC.encode(), (0).to_bytes(8, "big"), payload(0)], 1.0)
+        return fleet, facts_seen, SUB, DEALER
+
+    @staticmethod
+    def answer_probe(fleet, worker: str, request_id: int, now: float, dealer: str) -> None:
+        from kvmiss.collectors.frames import END_SEQ_BYTES
+
+        reply = [b"", TOPIC.encode(), (0).to_bytes(8, "big"), payload(0)]  # our last batch, then the end
+        fleet.on_message(worker, dealer, reply, now, request_id)
+        fleet.on_message(worker, dealer, [b"", b"", END_SEQ_BYTES, b""], now, request_id)
+
+    def test_no_more_than_the_bound_are_in_flight_and_the_rest_are_deferred_and_counted(self):
+        fleet, _, _, _ = self.quiet_fleet(10, bound=3)
+        probes = fleet.on_tick(1.5)
+        assert len(probes) == 3 and all(r.tail_probe for _, r in probes)
+        assert sum(s.probing for s in fleet.streams.values()) == 3
+        deferred = {w for w, s in fleet.streams.items() if s.health.tail_probes_deferred == 1}
+        assert len(deferred) == 7 and deferred.isdisjoint(w for w, _ in probes)
+        assert fleet.next_deadline() == pytest.approx(1.55)  # a deferred probe asks again soon
+        assert fleet.on_tick(1.55) == []  # still 3 out: refused again, nothing sent
+        assert sum(s.health.tail_probes_deferred for s in fleet.streams.values()) == 14
+
+    def test_answered_probes_free_their_places_and_every_worker_is_confirmed_in_turn(self):
+        fleet, facts_seen, _, dealer = self.quiet_fleet(10, bound=3)
+        now, confirmed, most_in_flight = 1.5, set(), 0
+        while len(confirmed) < 10 and now < 5.0:
+            for worker, request in fleet.on_tick(now):
+                most_in_flight = max(most_in_flight, sum(s.probing for s in fleet.streams.values()))
+                self.answer_probe(fleet, worker, request.request_id, now + 0.001, dealer)
+            confirmed = {w for w, a in facts_seen if isinstance(a, TailConfirmed)}
+            now = round(now + 0.05, 3)
+        assert confirmed == set(fleet.streams) and most_in_flight == 3
+        assert now < 2.0  # ten workers, three at a time, one round each: four rounds
+        assert all(s.health.tail_probes == 1 for s in fleet.streams.values())
+
+    def test_recorded_ticks_replay_the_same_deferrals(self):
+        from kvmiss.collectors.fleet import TICK
+
+        live_fleet, _, _, _ = self.quiet_fleet(6, bound=2)
+        played, _, _, _ = self.quiet_fleet(6, bound=2)
+        due = [w for w, s in live_fleet.streams.items() if (d := s.next_deadline) and d <= 1.5]
+        sent = [w for w, _ in live_fleet.on_tick(1.5)]
+        for worker in due:  # playback: one tick record per due stream, in the fleet's order
+            played.on_message(worker, TICK, [], 1.5)
+        assert [w for w, s in played.streams.items() if s.probing] == sent
+        assert ({w: s.health.tail_probes_deferred for w, s in played.streams.items()}
+                == {w: s.health.tail_probes_deferred for w, s in live_fleet.streams.items()})
+
+
 class TestReplayOnFirstConnect:
     """A publisher that went quiet right after a burst (or before we connected) must not leave
     the stream INITIAL: the first connection asks for the whole ring (found in the real vLLM
