@@ -262,6 +262,15 @@ def scrape(port: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def stream_totals(port: int) -> str:
+    """Every nonzero kvmiss_stream_* counter summed over workers: why a point stalled."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    sums: dict[str, float] = collections.defaultdict(float)
+    for name, value in re.findall(r'^(kvmiss_stream_\w+_total)\{[^}]*\} (\S+)$', text, re.M):
+        sums[name] += float(value)
+    return "; stream counters: " + ", ".join(f"{k[14:-6]}={v:.0f}" for k, v in sorted(sums.items()) if v)
+
+
 def total(m: dict, name: str) -> float:
     return sum(m.get(name, {}).values())
 
@@ -381,7 +390,7 @@ def run_point(profile: str, n: int, args, rate: float | None = None) -> dict:
                     seen, t_seen = applied, time.monotonic()
                 if time.monotonic() - t_seen > 20 or time.monotonic() - t_pop > 300 or serve.poll() is not None:
                     raise RuntimeError(f"kvmiss applied {applied:.0f} of {pop_batches} population batches and then "
-                                       "no more for 20 s" + serve_log_tail(work))
+                                       "no more for 20 s" + stream_totals(metrics_port) + serve_log_tail(work))
                 time.sleep(0.05)
             t_applied = time.monotonic()
             population = {"population_blocks_per_worker": pop_batches * 64 // n, "population_batches": pop_batches,
@@ -440,6 +449,8 @@ def run_point(profile: str, n: int, args, rate: float | None = None) -> dict:
             time.sleep(0.25)
             applied_total = total(scrape(metrics_port), "kvmiss_stream_batches_applied_total")
         drain_s = time.monotonic() - t_drain
+        print(f"  after the drain: {applied_total:.0f} of {published_total} applied"
+              + stream_totals(metrics_port), file=sys.stderr, flush=True)
     finally:
         if serve is not None and serve.poll() is None:
             serve.terminate()

@@ -6,7 +6,7 @@ from ZeroMQ, `play_recording` feeds it from a recording file, deterministically.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Container, Iterable
 
 import msgspec
 
@@ -20,6 +20,7 @@ log = logging.getLogger("kvmiss.collectors")
 
 SUB, DEALER, MONITOR = "sub", "dealer", "monitor"
 TICK = "tick"  # a timer that came due: recorded so playback runs it at the same point
+UNREAD = b"unread"  # a tick record's frame: the worker's SUB had messages not yet read
 CONNECTED = b"connected"  # the first connection of a SUB socket
 RECONNECTED = b"reconnected"  # a later one: the publisher may be a new process
 
@@ -57,23 +58,27 @@ class Fleet:
         elif socket == MONITOR and frames == [CONNECTED]:
             actions = stream.on_connect(now)
         elif socket == TICK:
-            actions = stream.on_tick(now, self._probes_in_flight() < self.max_tail_probes)
+            actions = stream.on_tick(now, frames != [UNREAD] and self._probes_in_flight() < self.max_tail_probes)
         else:
             return []
         return self._dispatch(worker, actions)
 
-    def on_tick(self, now: float) -> list[tuple[str, RequestReplay]]:
+    def on_tick(self, now: float, unread: Container[str] = ()) -> list[tuple[str, RequestReplay]]:
         """Run every due timer (replay time-outs and retries, tail probes). Every stream is
         told the time, due or not, so time-based health (seconds quarantined) keeps up with
-        a worker that has gone quiet; a stream with nothing due does nothing else. At most
-        ``max_tail_probes`` probes are in flight at once; a stream whose probe is refused for
-        that tries again shortly (`TAIL_PROBE_DEFER_S`)."""
+        a worker that has gone quiet; a stream with nothing due does nothing else.
+
+        A tail probe asks whether anything follows the last batch *received*; it waits (tries
+        again `TAIL_PROBE_DEFER_S` later) while the worker is in ``unread`` -- its socket holds
+        messages not yet read: silence that is ours, not the engine's (a ring that moved on
+        meanwhile would be written off as a hole) -- and while ``max_tail_probes`` probes are
+        in flight fleet-wide."""
         out = []
         in_flight = self._probes_in_flight()
         for worker, stream in self.streams.items():
             was_probing = stream.probing
-            out += [(worker, r) for r in self._dispatch(
-                worker, stream.on_tick(now, in_flight < self.max_tail_probes))]
+            may_probe = in_flight < self.max_tail_probes and worker not in unread
+            out += [(worker, r) for r in self._dispatch(worker, stream.on_tick(now, may_probe))]
             in_flight += stream.probing - was_probing
         return out
 

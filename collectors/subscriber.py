@@ -30,7 +30,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvmiss.collectors.continuity import RequestReplay
-from kvmiss.collectors.fleet import CONNECTED, DEALER, MONITOR, RECONNECTED, SUB, TICK, Fleet
+from kvmiss.collectors.fleet import CONNECTED, DEALER, MONITOR, RECONNECTED, SUB, TICK, UNREAD, Fleet
 from kvmiss.collectors.frames import encode_replay_request
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
 
@@ -257,14 +257,23 @@ class Subscriber:
         if (self._due is None or self._due > now) and now - self._last_round < POLL_INTERVAL_S:
             return
         self._last_round = now
+        unread = self._unread_workers()
         if self.recorder is not None:  # playback must run each timer at this same point
             for worker, stream in self.fleet.streams.items():
                 due = stream.next_deadline
                 if due is not None and due <= now:
-                    self.recorder.write(RecordedMessage(now, worker, TICK, []))
-        for worker, replay in self.fleet.on_tick(now):
+                    self.recorder.write(RecordedMessage(now, worker, TICK, [UNREAD] if worker in unread else []))
+        for worker, replay in self.fleet.on_tick(now, unread):
             self._send_replay(worker, replay)
         self._due = self.fleet.next_deadline()
+
+    def _unread_workers(self) -> set[str]:
+        """Workers whose SUB socket may hold messages not yet read: read to the cap, or
+        signalled since it was last read (a drain that waited on the hand-over takes time)."""
+        roles, by_fd = self._roles, self._by_fd
+        socks = set(self._pending)
+        socks.update(sock for fd, _ in self._epoll.poll(0) if (sock := by_fd.get(fd)) is not None)
+        return {roles[sock][1] for sock in socks if sock in roles and roles[sock][0] == SUB}
 
     def _drain(self, sock: zmq.Socket) -> None:
         role, worker, request_id = self._roles[sock]

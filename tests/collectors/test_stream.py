@@ -613,9 +613,10 @@ def test_the_fleet_tells_every_stream_the_time_so_quarantine_seconds_keep_up():
     assert fleet.streams["w0"].health.quarantine_s == pytest.approx(30.0)
 
 
-class TestFleetBoundOnTailProbes:
+class TestTailProbesWaitTheirTurn:
     """A fleet that went quiet together must not open a probe DEALER per worker at once
-    (`Fleet.max_tail_probes`); the probes refused wait their turn, each proof still comes."""
+    (`Fleet.max_tail_probes`); and a worker whose socket holds messages kvmiss has not read
+    yet is not quiet at all. The probes refused wait their turn; each proof still comes."""
 
     @staticmethod
     def quiet_fleet(workers: int, bound: int):
@@ -662,15 +663,23 @@ class TestFleetBoundOnTailProbes:
         assert now < 2.0  # ten workers, three at a time, one round each: four rounds
         assert all(s.health.tail_probes == 1 for s in fleet.streams.values())
 
+    def test_a_worker_with_unread_messages_does_not_probe_until_they_are_read(self):
+        fleet, _, _, _ = self.quiet_fleet(3, bound=64)
+        probes = fleet.on_tick(1.5, unread={"w1"})
+        assert [w for w, _ in probes] == ["w0", "w2"]
+        assert not fleet.streams["w1"].probing and fleet.streams["w1"].health.tail_probes_deferred == 1
+        assert [w for w, _ in fleet.on_tick(1.55)] == ["w1"]  # read since, still silent: now it asks
+
     def test_recorded_ticks_replay_the_same_deferrals(self):
-        from kvmiss.collectors.fleet import TICK
+        from kvmiss.collectors.fleet import TICK, UNREAD
 
         live_fleet, _, _, _ = self.quiet_fleet(6, bound=2)
         played, _, _, _ = self.quiet_fleet(6, bound=2)
         due = [w for w, s in live_fleet.streams.items() if (d := s.next_deadline) and d <= 1.5]
-        sent = [w for w, _ in live_fleet.on_tick(1.5)]
+        sent = [w for w, _ in live_fleet.on_tick(1.5, unread={"w0"})]
+        assert "w0" not in sent and len(sent) == 2
         for worker in due:  # playback: one tick record per due stream, in the fleet's order
-            played.on_message(worker, TICK, [], 1.5)
+            played.on_message(worker, TICK, [UNREAD] if worker == "w0" else [], 1.5)
         assert [w for w, s in played.streams.items() if s.probing] == sent
         assert ({w: s.health.tail_probes_deferred for w, s in played.streams.items()}
                 == {w: s.health.tail_probes_deferred for w, s in live_fleet.streams.items()})
