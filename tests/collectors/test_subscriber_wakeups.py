@@ -12,12 +12,14 @@ import random
 import threading
 import time
 
+from typing import Callable
+
 import pytest
 from sglang_publisher import batch, close, publisher
 from zmq_ports import free_tcp
 
 from kvmiss.collectors import subscriber as subscriber_module
-from kvmiss.collectors.continuity import Apply, StreamConfig
+from kvmiss.collectors.continuity import Apply, Hole, Quarantine, StreamConfig
 from kvmiss.collectors.fleet import Fleet
 from kvmiss.collectors.subscriber import MAX_MESSAGES_PER_SOCKET, Subscriber
 from kvmiss.schemas.config import WorkerSpec
@@ -34,13 +36,19 @@ def no_sweep(monkeypatch):
 class Applied:
     def __init__(self) -> None:
         self.seqs: dict[str, list[int]] = {}
+        self.facts: list[tuple[str, object]] = []
+        self.hold: Callable[[str, int], None] | None = None  # runs before an apply: a slow hand-over
         self._cond = threading.Condition()
 
     def __call__(self, worker: str, action) -> None:
-        if isinstance(action, Apply):
-            with self._cond:
-                self.seqs.setdefault(worker, []).append(action.batch.seq)
-                self._cond.notify_all()
+        if not isinstance(action, Apply):
+            self.facts.append((worker, action))
+            return
+        if self.hold is not None:
+            self.hold(worker, action.batch.seq)
+        with self._cond:
+            self.seqs.setdefault(worker, []).append(action.batch.seq)
+            self._cond.notify_all()
 
     def wait_for(self, predicate, timeout: float = WAIT_S) -> bool:
         with self._cond:
@@ -50,11 +58,13 @@ class Applied:
 class Publishers:
     """``n`` real SGLang publishers, one worker each, and a collector subscribed to all."""
 
-    def __init__(self, n: int, *, replay: bool = False, config: StreamConfig = QUIET) -> None:
+    def __init__(self, n: int, *, replay: bool = False, config: StreamConfig = QUIET,
+                 buffer_steps: int = 10_000) -> None:
         self.pubs, specs = [], []
         for i in range(n):
             endpoint, replay_endpoint = free_tcp(), (free_tcp() if replay else None)
-            self.pubs.append(publisher(endpoint=endpoint, replay_endpoint=replay_endpoint))
+            self.pubs.append(publisher(endpoint=endpoint, replay_endpoint=replay_endpoint,
+                                       buffer_steps=buffer_steps))
             specs.append(WorkerSpec(id=f"w{i}", endpoint=endpoint, replay_endpoint=replay_endpoint))
         self.next_seq = [0] * n
         self.applied = Applied()
@@ -134,3 +144,34 @@ def test_a_replay_answer_after_the_request_wakes_the_collector(fleet_of):
     # The first connection asks each ring for everything from seq 0 on a fresh DEALER; the
     # answer comes after the send, with no live traffic to wake on.
     assert p.applied.wait_for(lambda s: all(s.get(f"w{i}", [])[:30] == list(range(30)) for i in range(2)))
+
+
+def test_a_worker_whose_batches_wait_behind_a_slow_hand_over_is_not_probed_as_quiet(fleet_of):
+    # w0 is idle; a slow hand-over of w1's batch keeps the collector away from its sockets for
+    # longer than the probe interval while w0 publishes more than its ring holds. Once the
+    # collector is back, w0 has been "silent" for 0.7 s, but only because its batches sit
+    # unread in its own socket: a probe then asks from a tail the ring no longer holds, and
+    # an answer read before those batches writes them off as a hole.
+    p = fleet_of(2, replay=True, buffer_steps=8,
+                 config=StreamConfig(tail_probe_interval_s=0.5, replay_on_connect=False))
+    p.connect()
+    held_at, w0 = p.next_seq[1], p.fleet.streams["w0"]
+    seen_when_applied: dict[int, tuple[int, int]] = {}  # w0 seq -> (probes sent, deferred) then
+
+    def slow(worker: str, seq: int) -> None:  # runs on the collector thread, before each apply
+        if worker == "w1" and seq == held_at:
+            time.sleep(0.7)
+        if worker == "w0":
+            seen_when_applied[seq] = (w0.health.tail_probes, w0.health.tail_probes_deferred)
+
+    p.applied.hold = slow
+    p.publish(1)  # the collector takes it and is held
+    time.sleep(0.05)
+    p.publish(0, 30)  # meanwhile: well past w0's ring of 8
+    assert p.applied.wait_for(published_all(p))
+    last = p.next_seq[0] - 1
+    probes, deferred = seen_when_applied[last]
+    assert probes == 0 and deferred >= 1  # asked to wait, then read: nothing to ask
+    assert [f for w, f in p.applied.facts if w == "w0" and isinstance(f, (Hole, Quarantine))] == []
+    first = p.applied.seqs["w0"][0]
+    assert p.applied.seqs["w0"] == list(range(first, last + 1))
