@@ -44,7 +44,9 @@ from kvmiss.collectors.continuity import (
     RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, TAIL_PROBE_DEFER_S,
     TailConfirmed, Unverified, bump, instance_from_topic,
 )
-from kvmiss.collectors.frames import BatchMessage, FrameError, Message, ReplayEnd, WireError, has_clear
+from kvmiss.collectors.frames import (
+    BatchMessage, FrameError, Message, ReplayEnd, WireError, has_clear, scan_batch,
+)
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 
@@ -118,14 +120,32 @@ class WorkerStream:
                 and message.topic == self._live_topic):
             # The common case, every batch of a healthy stream: the next seq of the same
             # publisher (same topic, so the same instance), nothing outstanding or held.
-            # The general path below does exactly this for it, in more steps.
-            self._now = now
-            self._out = []
-            state.live_seen = message.seq
-            self._apply(message, now, False)
+            # The general path below does exactly this for it, in more steps; a payload the
+            # compiled reader does not read (`BatchMessage.decode`'s rule), or one with a
+            # clear, takes `_apply` for its decoding and known-empty point.
+            payload = message.payload
+            scanned = scan_batch(payload) if scan_batch is not None and payload.__class__ is bytes else None
+            if scanned is None or scanned[2].has_clear or state.run is None:
+                self._now = now
+                self._out = []
+                state.live_seen = message.seq
+                self._apply(message, now, False)
+                out, self._out = self._out, []
+            else:
+                self._now = now
+                ts, _, events = scanned
+                seq = state.live_seen = state.applied_seq = state.last_payload_seq = message.seq
+                state.last_payload = payload
+                run = state.run
+                out = [Apply(AppliedBatch(
+                    worker=self.worker, epoch=state.epoch, seq=seq, ts=ts, recv_ts=now,
+                    events=events, run_start_seq=run.start_seq, run_start=run.start,
+                    gap_from_seq=run.gap_from_seq, gap_to_seq=run.gap_to_seq, instance=state.instance,
+                    epoch_certain=state.epoch_certain, replayed=False,
+                ))]
+                self._count_applied(ts, False, seq, now)
             interval = self.config.tail_probe_interval_s  # (`_heard`, inline)
             state.probe_due = None if interval is None else now + interval
-            out, self._out = self._out, []
             return out
         self._begin(now)
         if message.seq is None:

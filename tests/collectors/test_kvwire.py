@@ -218,6 +218,8 @@ def test_real_engine_captures_are_read_by_the_compiled_reader():
         assert read and all(read) == modern and any(read) == modern, (release, read)
 
 
+@pytest.mark.skipif(os.environ.get("KVMISS_PURE_PYTHON_INGEST") == "1",
+                    reason="KVMISS_PURE_PYTHON_INGEST=1 rules the compiled receiver out")
 def test_recv_messages_drains_a_real_socket_as_recv_multipart_would():
     import zmq
 

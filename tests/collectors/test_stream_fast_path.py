@@ -103,3 +103,20 @@ def test_a_healthy_stream_takes_the_fast_path():
         stream.on_live(BatchMessage(Channel.LIVE, "kv@a@llama", seq, payload(seq, "ok")), seq * 0.01)
     assert taken == [0]  # only the first batch went the general way
     assert stream.state.applied_seq == 4
+
+
+def test_a_clear_in_the_next_batch_settles_an_uncertain_epoch_on_either_path():
+    """A case random scripts rarely reach: an epoch left uncertain by a reconnect nothing could
+    verify, then the next batch in order carries a clear (a known-empty point)."""
+    results = []
+    for fast in (True, False):
+        stream = WorkerStream("w", replay=False)
+        stream.fast_path = fast
+        stream.on_live(BatchMessage(Channel.LIVE, "kv@a@llama", 0, payload(0, "ok")), 0.1)
+        facts = stream.on_reconnect(0.2)  # no replay endpoint: the publisher cannot be checked
+        assert not stream.state.epoch_certain
+        facts += stream.on_live(BatchMessage(Channel.LIVE, "kv@a@llama", 1, payload(1, "clear")), 0.3)
+        applied = [a.batch for a in facts if isinstance(a, Apply)]
+        assert stream.state.epoch_certain and applied[-1].epoch_certain
+        results.append(([a for a in facts if not isinstance(a, Apply)], msgspec.structs.asdict(stream.state)))
+    assert results[0] == results[1]
