@@ -282,7 +282,7 @@ class StreamHealth(msgspec.Struct, kw_only=True):
     tail_unverified: int = 0
     tail_probes_superseded: int = 0
     tail_probes_unanswered: int = 0
-    tail_probes_deferred: int = 0  # due, but the fleet had MAX_TAIL_PROBES in flight
+    tail_probes_deferred: int = 0  # due, but held back: MAX_TAIL_PROBES in flight, or messages unread
 
 
 class LagWindow:

@@ -123,16 +123,15 @@ class WorkerStream:
             # The general path below does exactly this for it, in more steps; a payload the
             # compiled reader does not read (`BatchMessage.decode`'s rule), or one with a
             # clear, takes `_apply` for its decoding and known-empty point.
+            self._now = now
             payload = message.payload
             scanned = scan_batch(payload) if scan_batch is not None and payload.__class__ is bytes else None
             if scanned is None or scanned[2].has_clear or state.run is None:
-                self._now = now
                 self._out = []
                 state.live_seen = message.seq
                 self._apply(message, now, False)
                 out, self._out = self._out, []
             else:
-                self._now = now
                 ts, _, events = scanned
                 seq = state.live_seen = state.applied_seq = state.last_payload_seq = message.seq
                 state.last_payload = payload
@@ -208,7 +207,8 @@ class WorkerStream:
     def on_tick(self, now: float, may_probe: bool = True) -> list[StreamAction]:
         """Time passed; call at `next_deadline` (earlier or later is harmless). With
         ``may_probe`` false a tail probe that is due waits `TAIL_PROBE_DEFER_S` instead (the
-        fleet's bound on probes in flight); a recovery's timers run regardless."""
+        fleet's bound on probes in flight, or messages of this worker not read yet: see
+        `Fleet.on_tick`); a recovery's timers run regardless."""
         self._begin(now)
         recovery = self.state.recovery
         if recovery is not None:

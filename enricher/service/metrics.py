@@ -179,7 +179,7 @@ class KvmissCollector(Collector):
             "tail_confirmations": CounterMetricFamily("kvmiss_stream_tail_confirmations", "Tail probes that proved a worker idle since its last batch.", labels=w),
             "tail_recoveries": CounterMetricFamily("kvmiss_stream_tail_recoveries", "Tail probes that found batches lost live and applied them.", labels=w),
             "tail_unanswered": CounterMetricFamily("kvmiss_stream_tail_probes_unanswered", "Tail probes given up without an answer.", labels=w),
-            "tail_deferred": CounterMetricFamily("kvmiss_stream_tail_probes_deferred", "Tail probes held back because the fleet had history.tail_probes_in_flight probes out already.", labels=w),
+            "tail_deferred": CounterMetricFamily("kvmiss_stream_tail_probes_deferred", "Tail probes held back: the fleet had history.tail_probes_in_flight probes out already, or the worker's socket held messages not yet read.", labels=w),
         }
         for worker, stream in sorted(self.streams().items()):
             h = stream.health
