@@ -11,7 +11,8 @@ The thread waits in an epoll on each socket's ZMQ_FD, so a wait costs the socket
 something, not the fleet (zmq_poll asks every socket: ~1 us each, a core at 128 busy workers).
 ZMQ_FD is edge-triggered: it signals a change, and a socket is only known empty once a
 receive returned EAGAIN. A socket read up to the per-socket cap, or touched by a send, is
-kept "pending" and read again without waiting.
+kept "pending" and read again without waiting. Without epoll (macOS) the same fds are
+waited on with zmq_poll (`_PolledFds`).
 
 Everything the sockets deliver goes to the `Fleet` (state machines) and, if a recorder is
 given, to the recording first. Sink calls happen on this thread.
@@ -52,6 +53,31 @@ def _compiled_receiver() -> Callable[[int, int], list[list[bytes]]] | None:
         if _kvwire.bind_libzmq(path):
             return _kvwire.recv_messages
     return None
+
+
+class _PolledFds:
+    """Where `select.epoll` is missing (macOS, for a developer's `make demo`): zmq_poll on the
+    same ZMQ_FDs, with epoll's interface. The same wake-up rules hold; a wait costs every
+    socket again."""
+
+    def __init__(self) -> None:
+        self._poller = zmq.Poller()
+
+    def register(self, fd: int, _events: int) -> None:
+        self._poller.register(fd, zmq.POLLIN)
+
+    def unregister(self, fd: int) -> None:
+        self._poller.unregister(fd)
+
+    def poll(self, timeout: float) -> list[tuple[int, int]]:
+        return self._poller.poll(timeout * 1000)
+
+    def close(self) -> None:
+        pass
+
+
+def _fd_poller() -> select.epoll | _PolledFds:
+    return select.epoll() if hasattr(select, "epoll") else _PolledFds()
 
 
 # Bounded draining keeps one busy worker from starving the others and the timers.
@@ -101,7 +127,7 @@ class Subscriber:
         self._last_sweep = float("-inf")  # when every socket was last read (SWEEP_INTERVAL_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._epoll: select.epoll | None = None  # opened on the loop's thread, in _open
+        self._epoll: select.epoll | _PolledFds | None = None  # opened on the loop's thread, in _open
         self._by_fd: dict[int, zmq.Socket] = {}
         self._fds: dict[zmq.Socket, int] = {}
         self._pending: set[zmq.Socket] = set()  # not known empty: read without waiting
@@ -165,7 +191,7 @@ class Subscriber:
     # --- sockets ---------------------------------------------------------------------------
 
     def _open(self) -> None:
-        self._epoll = select.epoll()
+        self._epoll = _fd_poller()
         ivl, ivl_max = self._reconnect
         for spec in self.fleet.specs.values():
             sub = self._ctx.socket(zmq.SUB)
@@ -188,7 +214,7 @@ class Subscriber:
         self._roles[sock] = (role, worker, request_id)
         self._by_fd[fd] = sock
         self._fds[sock] = fd
-        self._epoll.register(fd, select.EPOLLIN)
+        self._epoll.register(fd, select.POLLIN)
         # Whatever was done to the socket so far (options, connect, a send) may have taken
         # the edge its ZMQ_FD would have signalled.
         self._pending.add(sock)

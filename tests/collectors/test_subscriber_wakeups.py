@@ -1,7 +1,8 @@
 """The collector's wake-ups (collectors/subscriber.py): it waits in an epoll on each socket's
 ZMQ_FD, which signals a change, not "a message is waiting". These cases would stall with a
 wake-up rule that trusts the edge alone; the once-a-second sweep that backs it up is turned
-off here, so only the rule itself can deliver.
+off here, so only the rule itself can deliver. Each case runs on epoll and on the zmq_poll
+fallback used where epoll is missing.
 
 Real SGLang 0.5.23 publishers on loopback, a real `Subscriber(Fleet(...))`.
 """
@@ -28,9 +29,11 @@ WAIT_S = 5.0
 QUIET = StreamConfig(tail_probe_interval_s=None, replay_on_connect=False)
 
 
-@pytest.fixture(autouse=True)
-def no_sweep(monkeypatch):
+@pytest.fixture(autouse=True, params=["epoll", "zmq_poll"])
+def no_sweep(request, monkeypatch):
     monkeypatch.setattr(subscriber_module, "SWEEP_INTERVAL_S", float("inf"))
+    if request.param == "zmq_poll":  # where select.epoll is missing: the same rules on zmq_poll
+        monkeypatch.setattr(subscriber_module, "_fd_poller", subscriber_module._PolledFds)
 
 
 class Applied:
