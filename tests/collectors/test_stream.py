@@ -685,6 +685,27 @@ class TestTailProbesWaitTheirTurn:
                 == {w: s.health.tail_probes_deferred for w, s in live_fleet.streams.items()})
 
 
+    def test_a_recording_with_an_unread_tick_plays_back_the_same_deferral(self, tmp_path):
+        from kvmiss.collectors.fleet import SUB, TICK, UNREAD, Fleet, play_recording
+        from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
+
+        live_fleet, _, _, _ = self.quiet_fleet(3, bound=64)
+        played = Fleet(live_fleet.specs.values(), lambda w, a: None, max_tail_probes=64)
+        writer = RecordingWriter(str(tmp_path / "events.rec"))
+        for spec in live_fleet.specs.values():  # what the live fleet received, as recorded
+            writer.write(RecordedMessage(1.0, spec.id, SUB, [TOPIC.encode(), (0).to_bytes(8, "big"), payload(0)]))
+        unread = {"w1"}
+        for worker, stream in live_fleet.streams.items():  # as `Subscriber._poll_once` records
+            if (due := stream.next_deadline) is not None and due <= 1.5:
+                writer.write(RecordedMessage(1.5, worker, TICK, [UNREAD] if worker in unread else []))
+        sent = [w for w, _ in live_fleet.on_tick(1.5, unread)]
+        writer.close()
+        play_recording(str(tmp_path / "events.rec"), played)
+        assert sent == ["w0", "w2"]
+        assert [w for w, s in played.streams.items() if s.probing] == sent
+        assert played.streams["w1"].health.tail_probes_deferred == 1
+
+
 class TestReplayOnFirstConnect:
     """A publisher that went quiet right after a burst (or before we connected) must not leave
     the stream INITIAL: the first connection asks for the whole ring (found in the real vLLM
