@@ -247,6 +247,18 @@ def test_probing_is_configured_under_history_and_zero_turns_it_off():
         parse_config("[history]\nclock_skew_s = -1\n")
 
 
+def test_the_fleet_wide_probe_bound_is_configured_under_history():
+    from kvmiss.enricher.service.serve import Service
+    from kvmiss.schemas.config import ConfigError, HistoryConfig, parse_config
+
+    assert HistoryConfig().tail_probes_in_flight == 64
+    config = parse_config('[metrics]\nlisten = ""\n[[workers]]\nid = "A"\nendpoint = "tcp://127.0.0.1:1"\n'
+                          '[history]\ntail_probes_in_flight = 3\n')
+    assert Service(config).fleet.max_tail_probes == 3
+    with pytest.raises(ConfigError, match="tail_probes_in_flight"):
+        parse_config("[history]\ntail_probes_in_flight = 0\n")
+
+
 def test_tail_probe_counters_are_exported_per_worker():
     from prometheus_client import CollectorRegistry
     from prometheus_client.openmetrics.exposition import generate_latest
@@ -259,6 +271,7 @@ def test_tail_probe_counters_are_exported_per_worker():
     stream = WorkerStream("A", replay=True)
     stream.health.tail_probes, stream.health.tail_confirmations = 5, 3
     stream.health.tail_recoveries, stream.health.tail_probes_unanswered = 1, 1
+    stream.health.tail_probes_deferred = 7
     pipe = Pipeline(Attributor(ResidencyIndex()), Sink(), clock=Clock())
     registry = CollectorRegistry()
     registry.register(KvmissCollector(pipe.stats, lambda: {"A": stream}))
@@ -266,7 +279,8 @@ def test_tail_probe_counters_are_exported_per_worker():
     for line in ('kvmiss_stream_tail_probes_total{worker="A"} 5.0',
                  'kvmiss_stream_tail_confirmations_total{worker="A"} 3.0',
                  'kvmiss_stream_tail_recoveries_total{worker="A"} 1.0',
-                 'kvmiss_stream_tail_probes_unanswered_total{worker="A"} 1.0'):
+                 'kvmiss_stream_tail_probes_unanswered_total{worker="A"} 1.0',
+                 'kvmiss_stream_tail_probes_deferred_total{worker="A"} 7.0'):
         assert line in text.splitlines(), line
 
 
