@@ -312,6 +312,7 @@ class LagWindow:
         self._width = self.window_s / max(1, slots)
         self._slots: collections.deque[list] = collections.deque()  # [start, min lag, count]
         self._count = 0
+        self._oldest_edge = float("inf")  # the oldest slot's end, while another slot follows it
         self.minimum: float | None = None
 
     def __len__(self) -> int:
@@ -326,9 +327,14 @@ class LagWindow:
             if lag < newest[1]:  # (comparisons, not min(): this runs for every live batch)
                 newest[1] = lag
             newest[2] += 1
+            self._count += 1
+            if recv_ts - self.window_s < self._oldest_edge:  # the common case: nothing can leave yet
+                if lag < self.minimum:  # (set: a slot exists)
+                    self.minimum = lag
+                return self.minimum
         else:
             slots.append([recv_ts, lag, 1])
-        self._count += 1
+            self._count += 1
         horizon = recv_ts - self.window_s
         evicted = False
         # The oldest slot goes once every sample in it is older than the window and the
@@ -341,6 +347,8 @@ class LagWindow:
             self.minimum = min(slot[1] for slot in slots)
         elif lag < self.minimum:
             self.minimum = lag
+        # The oldest slot cannot leave before the window's horizon passes its end.
+        self._oldest_edge = slots[0][0] + self._width if len(slots) > 1 else float("inf")
         return self.minimum
 
 

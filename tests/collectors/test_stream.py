@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvmiss.collectors.continuity import (
     Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, LagWindow,
@@ -801,6 +801,31 @@ class TestClockWindow:
             window.add(i * 0.001, (i % 97) / 1000)  # 1000 batches/s for 100 s
         assert len(window._slots) <= 8 + 16 + 1
         assert window.minimum == 0.0
+
+    @settings(max_examples=300, deadline=None)
+    @given(window_s=st.sampled_from([0.0, 0.05, 1.0, 2.0, 10.0]), min_samples=st.integers(1, 20),
+           slots=st.integers(1, 10),
+           steps=st.lists(st.tuples(st.floats(-0.5, 3.0), st.floats(-5.0, 5.0)), max_size=300))
+    def test_the_window_answers_as_the_plain_rule_does_after_every_sample(self, window_s, min_samples,
+                                                                         slots, steps):
+        """The common case skips the eviction check while no slot can leave; the plain rule
+        (evict, then the minimum of what is left) after each sample is the reference."""
+        window = LagWindow(window_s, min_samples=min_samples, slots=slots)
+        width = window_s / max(1, slots)
+        ref: list[list[float]] = []  # [start, min lag, count]
+        now = 100.0
+        for dt, lag in steps:
+            now += dt
+            if ref and now < ref[-1][0] + width:
+                ref[-1][1] = min(ref[-1][1], lag)
+                ref[-1][2] += 1
+            else:
+                ref.append([now, lag, 1])
+            while (len(ref) > 1 and ref[0][0] + width <= now - window_s
+                   and sum(r[2] for r in ref) - ref[0][2] >= max(1, min_samples)):
+                ref.pop(0)
+            assert window.add(now, lag) == min(r[1] for r in ref)
+            assert len(window) == sum(r[2] for r in ref)
 
     def test_a_receive_clock_stepping_back_joins_the_newest_slot(self):
         window = LagWindow(10.0)
