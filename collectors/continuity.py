@@ -322,19 +322,18 @@ class LagWindow:
     def add(self, recv_ts: float, lag: float) -> float:
         """Take one live batch's lag; return the window's minimum lag."""
         slots = self._slots
+        self._count += 1
         if slots and recv_ts < slots[-1][0] + self._width:
             newest = slots[-1]
             if lag < newest[1]:  # (comparisons, not min(): this runs for every live batch)
                 newest[1] = lag
             newest[2] += 1
-            self._count += 1
             if recv_ts - self.window_s < self._oldest_edge:  # the common case: nothing can leave yet
                 if lag < self.minimum:  # (set: a slot exists)
                     self.minimum = lag
                 return self.minimum
         else:
             slots.append([recv_ts, lag, 1])
-            self._count += 1
         horizon = recv_ts - self.window_s
         evicted = False
         # The oldest slot goes once every sample in it is older than the window and the
