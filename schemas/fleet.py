@@ -1,0 +1,44 @@
+"""Fleet membership that changes while kvmiss runs: the one vocabulary shared by the
+membership sources (collectors: a watched file, DNS, publishers that connect out) and the
+proof rules that use it (enricher/core: who could have held a block at a lookup time).
+
+A source never says *when* the router stopped choosing a worker; it says when kvmiss
+learned of it. ``at`` is therefore kvmiss's wall clock at the moment the change was
+observed (seconds), and the proof rules treat a band around it as uncertain
+(docs/HISTORY.md, "Fleets that change").
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kvmiss.schemas.config import WorkerSpec
+
+
+class MemberState(str, enum.Enum):
+    """A worker's place in the fleet, as `kvmiss_fleet_workers{state}` shows it."""
+
+    FOLLOWING = "following"  # a member whose stream is applied
+    JOINING = "joining"  # a member not yet followed (connecting, or replaying its history)
+    UNREACHABLE = "unreachable"  # a member whose stream never connected or died: an unresolved holder
+    DEPARTED = "departed"  # left the fleet; kept read-only for lookups before it left, then released
+
+
+class FleetChange(msgspec.Struct, frozen=True, kw_only=True):
+    """One change of the fleet as one source saw it: workers that joined (their full spec)
+    and workers that departed (by id), observed at ``at`` (kvmiss clock, seconds).
+
+    A spec whose id is already a member with a different endpoint is a departure of the old
+    and a join of the new under the same id: a new epoch, nothing carried over.
+    """
+
+    at: float
+    source: str  # "static", "file", "dns", "topic"
+    joined: tuple[WorkerSpec, ...] = ()
+    departed: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.joined and not self.departed
