@@ -15,7 +15,7 @@ from kvmiss.enricher.core.divergence import diverge
 from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.core.verdict import attribute, lookup_limit_tokens
+from kvmiss.enricher.core.verdict import attribute, missed_reusable
 from kvmiss.schemas.attribution import (
     AttributionRecord,
     Divergence,
@@ -55,10 +55,8 @@ class Attributor:
         return fleet
 
     def attribute(self, facts: RequestFacts) -> Verdict:
-        needs_evidence = (
-            facts.block_size > 0
-            and facts.cached_tokens < lookup_limit_tokens(facts.prompt_tokens, facts.block_size)
-        )
+        # Gathered for a failed transfer too: the facts beyond the label are reported.
+        needs_evidence = missed_reusable(facts.prompt_tokens, facts.cached_tokens, facts.block_size)
         evidence = (
             gather(self.index, facts, aged_out_as_recent_match=self.aged_out_as_recent_match,
                    clocks=self.clocks, unsubscribed=self.unsubscribed, fleet=self.fleet_round())

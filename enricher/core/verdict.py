@@ -29,7 +29,7 @@ with counts, sequence numbers and durations only: never hashes, token ids, salts
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvmiss.schemas.attribution import (
@@ -40,6 +40,7 @@ from kvmiss.schemas.attribution import (
     Label,
     Presence,
     RequestFacts,
+    TransferAttempt,
     TransferResult,
     Verdict,
     WindowStart,
@@ -63,6 +64,26 @@ def lookup_limit_tokens(prompt_tokens: int, block_size: int) -> int:
     if prompt_tokens <= 0:
         return 0
     return (prompt_tokens - 1) // block_size * block_size
+
+
+def missed_reusable(prompt_tokens: int, cached_tokens: int, block_size: int) -> bool:
+    """Whether the request missed a reusable block (C < L): only then is there a first-miss
+    block for the index to judge (``hit`` and ``lookup_limit`` need no index)."""
+    return block_size > 0 and cached_tokens < lookup_limit_tokens(prompt_tokens, block_size)
+
+
+def failed_transfer(transfers: Iterable[TransferAttempt]) -> TransferAttempt | None:
+    """The request's own failed transfer attempt, if a span reported one: it proves
+    ``transfer_failure`` without the index (and so without a lookup time)."""
+    return next((attempt for attempt in transfers if attempt.result in _FAILED_TRANSFER), None)
+
+
+def needs_index(prompt_tokens: int, cached_tokens: int, block_size: int,
+                transfers: Iterable[TransferAttempt] = ()) -> bool:
+    """Whether the label of a request with these span facts rests on the index: a miss of
+    a reusable block that the request's own spans do not already explain. Only then does
+    judging need a lookup time and the chosen worker's history to reach it."""
+    return missed_reusable(prompt_tokens, cached_tokens, block_size) and failed_transfer(transfers) is None
 
 
 def attribute(
@@ -112,13 +133,13 @@ def attribute(
 
     # transfer_failure, from the request's own transfer spans: these prove a fault
     # without the index, so they outrank everything the index could (not) say.
-    for attempt in facts.transfers:
-        if attempt.result in _FAILED_TRANSFER:
-            reason = (
-                f"a transfer from {_source_kind(attempt.source)} "
-                f"{_FAILED_TRANSFER[attempt.result]}, so the engine recomputed the prefix"
-            )
-            return _verdict(Label.TRANSFER_FAILURE, reason, **known)
+    attempt = failed_transfer(facts.transfers)
+    if attempt is not None:
+        reason = (
+            f"a transfer from {_source_kind(attempt.source)} "
+            f"{_FAILED_TRANSFER[attempt.result]}, so the engine recomputed the prefix"
+        )
+        return _verdict(Label.TRANSFER_FAILURE, reason, **known)
 
     # Every later rule is a claim about H; without it the index evidence has no subject.
     if first_miss is None:

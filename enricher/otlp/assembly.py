@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
-from kvmiss.enricher.core.verdict import lookup_limit_tokens
+from kvmiss.enricher.core.verdict import needs_index
 from kvmiss.enricher.otlp.spans import SpanFacts
 from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
 from kvmiss.schemas.prompt import ExtraKeysSpec
@@ -324,12 +324,14 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
     if chain is None and token_ids is not None and hasher is not None and "kvmiss.extra_keys" not in errors:
         chain = _hash_tokens(token_ids, spec, hasher, errors)
     lookup_time = m.get("lookup_time")
+    transfers = assembly.transfers()
     if lookup_time is None:
         lookup_time = m.get("queue_lookup_time")
-        if lookup_time is None and block_size > 0 and cached_tokens < lookup_limit_tokens(prompt_tokens, block_size):
+        if lookup_time is None and needs_index(prompt_tokens, cached_tokens, block_size, transfers):
             # A miss is judged against the index at its lookup time, and only a span can say
             # when that was (a router's own, or vLLM's `llm_request`, which may come seconds
-            # later): wait for it, never judge from a guessed time.
+            # later): wait for it, never judge from a guessed time. A label the request's own
+            # spans prove (a failed transfer) needs neither.
             return MissingFacts(("lookup_time",))
     return RequestFacts(
         request_id=assembly.request_id or m.get("request_id"),
@@ -341,7 +343,7 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         lookup_time=lookup_time,
         block_hashes=chain,
         extra_key_kinds=kinds,
-        transfers=assembly.transfers(),
+        transfers=transfers,
         instance_hint=m.get("instance"),
         route_policy=m.get("route_policy"),
         predicted_cached_tokens=m.get("predicted_cached_tokens"),

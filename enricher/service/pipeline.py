@@ -35,6 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
+from kvmiss.enricher.core.verdict import needs_index
 from kvmiss.enricher.otlp.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
                                           incomplete_verdict, join_target, to_request_facts)
 from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
@@ -372,6 +373,7 @@ class Pipeline:
         if not expired and assembly.awaits_request_span():
             return None  # an engine lookup waits (bounded) for its request's span
         if tracked and facts.lookup_time is not None and not self._history_reached(facts):
+            # (`_history_reached` is True at once for a label that needs no index.)
             if not final:
                 self._ready.append((assembly, facts, now))
                 assembly.done = assembly.awaiting_history = True  # no longer open for other requests
@@ -401,13 +403,12 @@ class Pipeline:
         that missed nothing reusable needs no fleet view. A worker that has proven nothing for
         more than the wait before t (down, or far behind) is not waited for: the wait would
         not help."""
+        if not needs_index(facts.prompt_tokens, facts.cached_tokens, facts.block_size, facts.transfers):
+            return True  # hit, lookup_limit, or proven by its own spans: no index needed
         index, t = self.attributor.index, facts.lookup_time
         views = index.views(facts.worker) if facts.worker else []
         if not views or t is None or not index.reaches(views[0], t):
             return False
-        size = facts.block_size
-        if size <= 0 or facts.cached_tokens >= (facts.prompt_tokens - 1) // size * size:
-            return True  # hit or lookup_limit: no first-miss block to look for elsewhere
         for through, worker in self._fleet_reach():  # least advanced first
             if worker == facts.worker:
                 continue

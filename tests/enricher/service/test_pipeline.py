@@ -177,6 +177,37 @@ def test_a_span_without_request_id_joins_the_traces_only_request():
     assert labels == {"kv_transfer": None, "router": "transfer_failure", "llm_request": None}
 
 
+def test_a_failed_transfer_needs_no_lookup_time_and_no_wait():
+    # A router span alone: cached tokens, a failed transfer, no lookup time anywhere. The
+    # request's own span proves transfer_failure (ATTRIBUTION.md precedence), so it is
+    # judged at once -- not held for assemble_wait_s and then called unknown_history.
+    index, _ = evicted_history()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, assemble_wait_s=30.0, history_wait_s=30.0)
+    span = router_span(**{"kvmiss.transfer.result": "failed", "kvmiss.transfer.source": "B",
+                          "gen_ai.usage.prompt_tokens": 40})
+    del span["kvmiss.lookup_time_unix_nano"]
+    asyncio.run(pipe.consume(export_request(span)))
+    assert pipe.poll() == 1  # at clock 0: no wait at all
+    a = attrs(sink.spans()[0])
+    assert a["kvmiss.label"] == "transfer_failure" and a["kvmiss.owner"] == "platform"
+    assert "lookup_time" not in a["kvmiss.reason"]
+
+
+def test_without_a_failed_transfer_a_miss_still_waits_for_its_lookup_time():
+    index, _ = evicted_history()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, assemble_wait_s=3.0)
+    span = router_span(**{"kvmiss.transfer.result": "completed", "gen_ai.usage.prompt_tokens": 40})
+    del span["kvmiss.lookup_time_unix_nano"]
+    asyncio.run(pipe.consume(export_request(span)))
+    assert pipe.poll() == 0 and sink.requests == []
+    clock.t = 3.0
+    pipe.poll()
+    a = attrs(sink.spans()[0])
+    assert a["kvmiss.label"] == "unknown_history" and "lookup_time" in a["kvmiss.reason"]
+
+
 def test_token_ids_are_hashed_like_the_engine_and_never_exported():
     hasher = BlockHasher("sha256_cbor", seed="0", block_size=16)
     tokens = list(range(1000, 1040))
