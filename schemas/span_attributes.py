@@ -43,8 +43,11 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         default_factory=lambda: ["gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"])
     transfer_result: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.result"])
     transfer_source: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.source"])
+    # Prompt tokens the engine computed (and wrote to the cache): the GenAI conventions' cache
+    # write count, under its current name and the one it replaced (``cache_creation``).
     recomputed_tokens: list[str] = msgspec.field(
-        default_factory=lambda: ["kvmiss.recomputed_tokens"])
+        default_factory=lambda: ["kvmiss.recomputed_tokens", "gen_ai.usage.cache_write.input_tokens",
+                                 "gen_ai.usage.cache_creation.input_tokens"])
     tenant_policy: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.tenant_policy"])
     adapter: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.adapter"])
     model_revision: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.model_revision"])

@@ -207,6 +207,22 @@ def test_field_order_and_plain_unknown_fields_never_make_it_abstain(data):
     check_against_reference(reader, reader.raw_names(), body, may_abstain=False)
 
 
+@compiled
+def test_the_cache_write_count_is_read_by_the_wire_scanner_as_by_the_reference():
+    reader = READERS["default"]
+    request = ExportTraceServiceRequest()
+    spans_out = request.resource_spans.add().scope_spans.add().spans
+    for name in ("gen_ai.usage.cache_write.input_tokens", "gen_ai.usage.cache_creation.input_tokens"):
+        span = spans_out.add(trace_id=os.urandom(16), span_id=os.urandom(8), name="router")
+        for key, value in (("gen_ai.request.id", None), ("gen_ai.usage.input_tokens", 100), (name, 68)):
+            kv = span.attributes.add(key=key)
+            if value is None:
+                kv.value.string_value = "r1"
+            else:
+                kv.value.int_value = value
+    check_against_reference(reader, reader.raw_names(), request.SerializeToString(), may_abstain=False)
+
+
 # --- what it abstains on, one by one ------------------------------------------------------------
 
 

@@ -51,6 +51,14 @@ def attrs_of(s) -> dict:
 
 
 class TestReading:
+    def test_the_genai_cache_write_count_is_read_under_its_new_and_its_old_name(self):
+        for name in ("gen_ai__usage__cache_write__input_tokens", "gen_ai__usage__cache_creation__input_tokens"):
+            f = SpanReader().read(span(gen_ai__request__id="r1", gen_ai__usage__input_tokens=100,
+                                       gen_ai__usage__cache_read__input_tokens=32, **{name: 68}))
+            assert (f.prompt_tokens, f.cached_tokens, f.recomputed_tokens) == (100, 32, 68)
+        both = span(gen_ai__usage__cache_write__input_tokens=60, gen_ai__usage__cache_creation__input_tokens=7)
+        assert SpanReader().read(both).recomputed_tokens == 60  # the current name wins
+
     def test_router_span_facts_with_default_names(self):
         s = span(gen_ai__request__id="r1", gen_ai__usage__input_tokens=100,
                  gen_ai__usage__cache_read__input_tokens=32, kvmiss__route__worker="w0",
