@@ -235,6 +235,10 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # neither holders nor ruled out -- like `unresolved_holders`, no label below
     # routing_miss is provable while any remain.
     skewed_workers: tuple[ClockOffset, ...] = ()
+    # Other workers whose fleet membership at t is not settled (t within the uncertainty
+    # band of their join or departure, or a hold before they joined) and that held or may
+    # have held H: neither holders nor ruled out (docs/HISTORY.md, "Fleets that change").
+    unsettled_members: tuple[str, ...] = ()
 
 
 class DivergenceKind(str, enum.Enum):

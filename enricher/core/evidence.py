@@ -40,6 +40,7 @@ from bisect import bisect_left, bisect_right
 from typing import Callable, Collection, Iterable, NamedTuple
 
 from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
+from kvmiss.enricher.core.membership import INF, Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
 from kvmiss.schemas.attribution import (
     ClockOffset,
@@ -207,23 +208,34 @@ class FleetRound:
     gives (tests/enricher/core/test_fleet_round.py holds them together)."""
 
     __slots__ = ("generation", "workers", "position", "skewed", "slow", "tables", "table_pos",
-                 "_los", "_lo_pos", "_his", "_hi_pos")
+                 "_los", "_lo_pos", "_his", "_hi_pos", "_gone_until", "_gone_pos")
 
     def __init__(self, index: ResidencyIndex, clocks: Clocks | None = None):
         self.generation = index.generation
         margin = index.tail_margin_s
         self.workers: list[str] = list(index.tracked)  # the per-worker loop's order
         self.position = {worker: pos for pos, worker in enumerate(self.workers)}
-        self.skewed: list[tuple[str, ClockOffset]] = []
+        # (worker, its clock, the last t it counts at: inf, or its departure plus the band)
+        self.skewed: list[tuple[str, ClockOffset, float]] = []
         self.slow: list[int] = []
         tables: list[BlockTable] = []
         self.table_pos: list[int] = []
         windows: list[tuple[float, float, int]] = []
-        current = index.current
+        # Workers departed now count only for lookups up to their departure plus the band:
+        # judged one by one then (`_other_worker` applies the membership rules), consulted
+        # for nothing after -- so a fleet that churns pays for the few that left lately.
+        gone: list[tuple[float, int]] = []
+        current, membership = index.current, index.membership
         for pos, worker in enumerate(self.workers):
             clock = clocks(worker) if clocks is not None else None
+            until = membership.departed_until(worker) if membership.departed or membership.released else None
+            if until == -INF:
+                continue  # released: counts for no lookup
             if clock is not None and not clock.within_bound:
-                self.skewed.append((worker, clock))
+                self.skewed.append((worker, clock, INF if until is None else until))
+                continue
+            if until is not None:
+                gone.append((until, pos))
                 continue
             view = current.get(worker)
             window = _absence_window(view, margin)
@@ -241,27 +253,61 @@ class FleetRound:
         windows.sort(key=lambda w: w[1])
         self._his = [hi for _, hi, _ in windows]
         self._hi_pos = [pos for _, _, pos in windows]
+        gone.sort()
+        self._gone_until = [until for until, _ in gone]
+        self._gone_pos = [pos for _, pos in gone]
 
     def others(self, chosen: str, key: int, t: float) -> list[str]:
         """The workers besides ``chosen`` that have to be judged one by one for ``key`` at
         ``t``, in fleet order (the rest provably never held it)."""
         if t != t:  # NaN: no window holds it, every worker not skewed is judged
-            picked = {*self.slow, *self._lo_pos}
+            picked = {*self.slow, *self._lo_pos, *self._gone_pos}
         else:
             picked = set(self.slow)
             picked.update(self._lo_pos[bisect_right(self._los, t):])  # window starts after t
             picked.update(self._hi_pos[:bisect_left(self._his, t)])  # history not proven to t
             table_pos = self.table_pos
             picked.update(table_pos[i] for i in holding(key, self.tables))
+            if self._gone_pos:
+                picked.update(self._gone_pos[bisect_left(self._gone_until, t):])  # left at most a band before t
         picked.discard(self.position.get(chosen))  # type: ignore[arg-type]
         workers = self.workers
         return [workers[pos] for pos in sorted(picked)]
 
+    def skewed_at(self, chosen: str, t: float) -> tuple[ClockOffset, ...]:
+        """The clocks out of bound of the workers besides ``chosen`` that count at ``t``."""
+        if not self.skewed:
+            return ()
+        return tuple(clock for worker, clock, until in self.skewed if worker != chosen and not until < t)
+
+
+class _Unsettled(str):
+    """A worker whose membership at t decides, and is not settled (`Standing`)."""
+
 
 def _other_worker(index: ResidencyIndex, worker: str, key: int, t: float,
-                  margin: float) -> Holder | History | None:
+                  margin: float) -> Holder | History | _Unsettled | None:
     """One other worker (its clock in bound): a holder of H at t, why it cannot be ruled
-    out, or None when it provably did not hold H."""
+    out, or None when it provably did not hold H or was not a fleet member at t.
+
+    Membership (enricher/core/membership.py): clearly after its departure it is nothing;
+    within a change's band, holding or maybe holding H leaves it unsettled (it can neither
+    prove routing_miss nor be ruled out); clearly before it (re)joined, only a proven hold
+    counts, as unsettled: it means the router was choosing it before kvmiss saw the join."""
+    standing = index.membership.standing(worker, t)
+    if standing is Standing.MEMBER:
+        return _member_worker(index, worker, key, t, margin)
+    if standing is Standing.DEPARTED:
+        return None
+    found = _member_worker(index, worker, key, t, margin)
+    if found is None or (standing is Standing.NOT_YET and found.__class__ is not Holder):
+        return None
+    return _Unsettled(worker)
+
+
+def _member_worker(index: ResidencyIndex, worker: str, key: int, t: float,
+                   margin: float) -> Holder | History | None:
+    """`_other_worker` for a fleet member at t."""
     view = index.current.get(worker)
     first_ts = view.first_ts if view is not None else None
     if first_ts is None or t < first_ts:  # (else the current lifetime served t: `_choose_view`)
@@ -281,26 +327,30 @@ def _other_worker(index: ResidencyIndex, worker: str, key: int, t: float,
 
 def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
            unsubscribed: Collection[str] = (), fleet: FleetRound | None = None,
-           ) -> tuple[tuple[Holder, ...], tuple[History, ...], tuple[ClockOffset, ...]]:
-    """Every other tracked worker: who provably held H at t, why the rest that may have
-    cannot be ruled out, and which were not consulted because their clock is out of bound.
-    All three decide whether a label below routing_miss is provable. Workers of the fleet
-    that are not subscribed to (``unsubscribed``: named by spans, absent from the index) may
-    have held H: each is unresolved, never absent. ``fleet``: the round's `FleetRound`
-    (built here when not given: O(workers))."""
+           ) -> tuple[tuple[Holder, ...], tuple[History, ...], tuple[ClockOffset, ...], tuple[str, ...]]:
+    """Every other tracked worker that counts at t: who provably held H at t, why the rest
+    that may have cannot be ruled out, which were not consulted because their clock is out of
+    bound, and which held or may have held H while their membership at t is unsettled. All
+    four decide whether a label below routing_miss is provable. Workers of the fleet that are
+    not subscribed to (``unsubscribed``: named by spans, absent from the index) may have held
+    H: each is unresolved, never absent. ``fleet``: the round's `FleetRound` (built here when
+    not given: O(workers))."""
     if fleet is None:
         fleet = FleetRound(index, clocks)
     holders: list[Holder] = []
     unresolved: list[History] = [History.UNTRACKED for worker in unsubscribed if worker != chosen]
+    unsettled: list[str] = []
     margin = index.tail_margin_s
     for worker in fleet.others(chosen, key, t):
         found = _other_worker(index, worker, key, t, margin)
-        if found.__class__ is Holder:
+        cls = found.__class__
+        if cls is Holder:
             holders.append(found)  # type: ignore[arg-type]
+        elif cls is _Unsettled:
+            unsettled.append(str(found))
         elif found is not None:
             unresolved.append(found)  # type: ignore[arg-type]
-    skewed = tuple(clock for worker, clock in fleet.skewed if worker != chosen) if fleet.skewed else ()
-    return tuple(holders), tuple(unresolved), skewed
+    return tuple(holders), tuple(unresolved), fleet.skewed_at(chosen, t), tuple(unsettled)
 
 
 def gather(
@@ -346,7 +396,8 @@ def gather(
     run = view.run_at_step(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
-    holders, unresolved, skewed = _fleet(index, worker, key, t, clocks, unsubscribed, fleet) if key is not None else ((), (), ())
+    holders, unresolved, skewed, unsettled = (
+        _fleet(index, worker, key, t, clocks, unsubscribed, fleet) if key is not None else ((), (), (), ()))
     tiers: list[TierHolding] = []
     for medium in view.media:
         if medium != GPU and key is not None:
@@ -356,7 +407,7 @@ def gather(
             elif held.unresolved is not None:
                 unresolved += (held.unresolved,)
     base.update(holders=holders, tiers=tuple(tiers), unresolved_holders=unresolved,
-                skewed_workers=skewed)
+                skewed_workers=skewed, unsettled_members=unsettled)
     if _quarantined(view, run, step_seq):
         return Evidence(history=History.QUARANTINED, gap_from_seq=run.gap_from_seq,
                         gap_to_seq=run.gap_to_seq, **base)

@@ -35,10 +35,12 @@ from array import array
 from typing import Iterable, Iterator, NamedTuple
 
 from kvmiss.enricher.core.divergence import SiblingRegistry
+from kvmiss.enricher.core.membership import Joined, Membership
 from kvmiss.enricher.core.residency_table import (
     SEQ_SPAN, Applier, BlockTable, bisect_left, bloom_add, warn_if_not_accelerated,
 )
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmiss.schemas.fleet import FleetChange
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 GPU = "GPU"
@@ -435,11 +437,19 @@ class EpochView:
 
 class ResidencyIndex:
     """All tracked workers' epoch views. ``retention_s`` bounds closed records by engine
-    time; `prune(now_engine_ts)` applies it (call it periodically, not per batch)."""
+    time; `prune(now_engine_ts)` applies it (call it periodically, not per batch).
+
+    Fleet membership (`enricher.core.membership`): ``workers`` are members from the start;
+    `apply_fleet_change` follows joins and departures, with ``membership_uncertainty_s`` of
+    uncertainty either side of each; ``dynamic_membership``: a source other than the static
+    list may change the fleet (see `Membership.dynamic`)."""
 
     def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0,
                  keep_previous_epochs: int = 1, divergence_detail: bool = False,
-                 tail_margin_s: float = TAIL_MARGIN_S):
+                 tail_margin_s: float = TAIL_MARGIN_S, membership_uncertainty_s: float = 2.0,
+                 dynamic_membership: bool = False):
+        workers = list(workers)
+        self.membership = Membership(workers, band_s=membership_uncertainty_s, dynamic=dynamic_membership)
         self.retention_s = retention_s
         self.tail_margin_s = tail_margin_s  # see `EpochView.reached_through`
         self.divergence_detail = divergence_detail
@@ -470,6 +480,49 @@ class ResidencyIndex:
             self.tracked.add(batch.worker)
         view.apply(batch)
 
+    def apply_fleet_change(self, change: FleetChange) -> None:
+        """A membership source saw workers join or depart at ``change.at`` (kvmiss clock).
+
+        A departed worker's views stay, read-only, for lookups before it left (and for the
+        requests it served while draining) until `prune` releases them, ``retention_s`` and
+        the band after its departure. A joined worker is tracked from now: until its history
+        arrives it is an unresolved holder, never absent. A worker that comes back under a
+        departed id, or another engine under a member's id, starts a new epoch: its stream
+        must number its epochs from `next_epoch` so nothing is carried over."""
+        membership = self.membership
+        self.generation += 1
+        if change.source != "static":
+            membership.dynamic = True
+        # A worker met through its batches only (not declared) has been a member until now.
+        for worker in (*change.departed, *(spec.id for spec in change.joined)):
+            if worker in self.tracked and not membership.has_span(worker):
+                membership.static.add(worker)
+        for worker in change.departed:
+            membership.depart(worker, change.at)
+        for spec in change.joined:
+            if membership.join(spec, change.at) is not Joined.SAME:
+                self.tracked.add(spec.id)
+
+    def next_epoch(self, worker: str) -> int:
+        """The first epoch number a new stream for ``worker`` must use: past every lifetime
+        the index still holds for it, so a rejoined or replaced worker's views never collide
+        with the old ones (0 when it holds none)."""
+        views = self.views(worker)
+        return max(v.epoch for v in views) + 1 if views else 0
+
+    def _release_departed(self, now_ts: float) -> list[str]:
+        """Forget workers that departed more than retention and the band before ``now_ts``:
+        every lookup their history could still decide is older than the retention horizon."""
+        membership = self.membership
+        if not membership.due:
+            return []
+        gone = membership.release(now_ts - self.retention_s - membership.band_s)
+        for worker in gone:
+            self.current.pop(worker, None)
+            self.previous.pop(worker, None)
+            self.tracked.discard(worker)
+        return gone
+
     def confirm_tail(self, worker: str, epoch: int, seq: int, at: float) -> None:
         """A collector `TailConfirmed` for ``worker``; ignored unless it is about the
         worker's current epoch and its last applied batch."""
@@ -487,6 +540,7 @@ class ResidencyIndex:
         owner); `prune_pending` is then True while more are due: call again."""
         self.generation += 1
         horizon = now_ts - self.retention_s
+        self._release_departed(now_ts)
         views = [*self.current.values(), *(v for older in self.previous.values() for v in older)]
         dropped, self.prune_pending = 0, False
         for view in views:
@@ -508,3 +562,8 @@ class ResidencyIndex:
 
     def workers(self) -> list[str]:
         return sorted(self.tracked)
+
+    @property
+    def view_count(self) -> int:
+        """Epoch views held (current and previous), every worker: what churn must not grow."""
+        return len(self.current) + sum(len(older) for older in self.previous.values())

@@ -192,7 +192,7 @@ def attribute(
     if evidence.unresolved_holders:
         return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence),
                         **{**known, "history": evidence.unresolved_holders[0]})
-    if evidence.skewed_workers:
+    if evidence.skewed_workers or evidence.unsettled_members:
         return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence), **known)
 
     # resident_miss / evicted / no_match: with continuous history, where H stood on the
@@ -341,9 +341,10 @@ def _clock_reason(clock: ClockOffset) -> str:
 
 
 def _unresolved_reason(evidence: Evidence) -> str:
-    count = len(evidence.unresolved_holders) + len(evidence.skewed_workers)
+    count = len(evidence.unresolved_holders) + len(evidence.skewed_workers) + len(evidence.unsettled_members)
     why = sorted({_UNRESOLVED_TEXT.get(h, h.value) for h in evidence.unresolved_holders}
-                 | ({"with a clock beyond the skew bound"} if evidence.skewed_workers else set()))
+                 | ({"with a clock beyond the skew bound"} if evidence.skewed_workers else set())
+                 | ({"whose fleet membership at lookup is not settled"} if evidence.unsettled_members else set()))
     return (
         f"whether another worker held the first missed block at lookup is not established "
         f"({count} stream{'s' if count > 1 else ''} {', '.join(why)}), so routing cannot be ruled out"

@@ -13,10 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmiss.enricher.core.attribution import Attributor
-from kvmiss.enricher.core.evidence import FleetRound, _fleet, _other_worker, gather
+from kvmiss.enricher.core.evidence import FleetRound, _fleet, _other_worker, _Unsettled, gather
 from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.membership import Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
 from kvmiss.schemas.attribution import ClockOffset, Holder
+from kvmiss.schemas.config import WorkerSpec
+from kvmiss.schemas.fleet import FleetChange
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 IN_BOUND, AHEAD = ClockOffset(0.05, -0.25, 1.25), ClockOffset(-2.0, -0.25, 1.25)
@@ -24,10 +27,11 @@ KEYS = [11, 12, 13, 14, 2**64 - 1]
 
 
 def one_by_one(index, chosen, key, t, clocks):
-    """The fleet view as it was: every tracked worker asked in turn."""
-    holders, unresolved, skewed = [], [], []
+    """The fleet view as it was: every tracked worker asked in turn (those that left the
+    fleet clearly before t are not asked at all)."""
+    holders, unresolved, skewed, unsettled = [], [], [], []
     for worker in index.tracked:
-        if worker == chosen:
+        if worker == chosen or index.membership.standing(worker, t) is Standing.DEPARTED:
             continue
         clock = clocks(worker) if clocks is not None else None
         if clock is not None and not clock.within_bound:
@@ -36,9 +40,11 @@ def one_by_one(index, chosen, key, t, clocks):
         found = _other_worker(index, worker, key, t, index.tail_margin_s)
         if isinstance(found, Holder):
             holders.append(found)
+        elif isinstance(found, _Unsettled):
+            unsettled.append(str(found))
         elif found is not None:
             unresolved.append(found)
-    return tuple(holders), tuple(unresolved), tuple(skewed)
+    return tuple(holders), tuple(unresolved), tuple(skewed), tuple(unsettled)
 
 
 class RandomFleet:
@@ -46,11 +52,13 @@ class RandomFleet:
 
     def __init__(self, rng: random.Random, workers: int):
         self.rng = rng
-        self.index = ResidencyIndex(retention_s=rng.choice([5.0, 30.0, 600.0]), tail_margin_s=0.5)
+        self.index = ResidencyIndex(retention_s=rng.choice([5.0, 30.0, 600.0]), tail_margin_s=0.5,
+                                    membership_uncertainty_s=rng.choice([0.0, 0.5, 2.0]))
         self.now = 1000.0
         self.state = {f"w{i}": dict(epoch=0, seq=0, run_start=0, kind=RunStart.EPOCH_START, gap=None,
                                     certain=True) for i in range(workers)}
         self.index.tracked.update(self.state)  # as the service declares its fleet
+        self.churn = rng.random() < 0.7  # workers leave and (re)join, as a membership source says
 
     def step(self) -> None:
         rng, index = self.rng, self.index
@@ -58,6 +66,16 @@ class RandomFleet:
         s = self.state[worker]
         self.now += rng.choice([0.1, 0.5, 1.0, 2.0])
         roll = rng.random()
+        if self.churn and roll < 0.08:
+            at = self.now + rng.choice([-1.0, 0.0, 0.3])
+            if index.membership.is_member(worker) and worker in index.tracked:
+                index.apply_fleet_change(FleetChange(at=at, source="file", departed=(worker,)))
+            else:  # back under the same id: a new stream, its epochs past the old views'
+                spec = WorkerSpec(id=worker, endpoint=f"tcp://127.0.0.1:{rng.randint(1000, 2000)}")
+                index.apply_fleet_change(FleetChange(at=at, source="file", joined=(spec,)))
+                s.update(epoch=index.next_epoch(worker), seq=0, run_start=0, kind=RunStart.EPOCH_START,
+                         gap=None, certain=True)
+            return
         if roll < 0.05:  # restart: a new lifetime from seq 0
             s.update(epoch=s["epoch"] + 1, seq=0, run_start=0, kind=RunStart.EPOCH_START, gap=None)
         elif roll < 0.10:  # a hole replay could not fill

@@ -112,3 +112,36 @@ def test_case_8_resident_on_b_but_routed_to_a_is_a_routing_miss():
         index.apply(x)
     v = judge(index, request("A", a.ts(12)))
     assert v.label is Label.ROUTING_MISS and v.holders == 1
+
+
+def test_case_9_a_worker_that_left_the_fleet_is_no_routing_miss_after_it_left():
+    """Worker B left the fleet at D (listed out, draining) still holding H: a miss on A looked
+    up after D is A's own history's to decide; before D it is routing_miss; a listed worker
+    that never connected leaves it unknown_history."""
+    from kvmiss.schemas.config import WorkerSpec
+    from kvmiss.schemas.fleet import FleetChange
+
+    def fleet():
+        index, a, b = ResidencyIndex(["A", "B"], membership_uncertainty_s=2.0), WorkerFeed("A"), WorkerFeed("B")
+        for x in a.batches(range(0, 60), {3: [stored(H)], 10: [removed(H)]}):
+            index.apply(x)
+        for x in b.batches(range(0, 60), {4: [stored(H)]}):  # B holds H throughout
+            index.apply(x)
+        return index, a
+
+    index, a = fleet()
+    departed_at = a.ts(30)
+    index.apply_fleet_change(FleetChange(at=departed_at, source="file", departed=("B",)))
+    after = judge(index, request("A", departed_at + 10.5))
+    assert after.label is Label.EVICTED and after.holders == 0, after
+    before = judge(index, request("A", departed_at - 10.5))
+    assert before.label is Label.ROUTING_MISS and before.holders == 1, before
+
+    index, a = fleet()
+    index.apply_fleet_change(FleetChange(at=a.ts(30), source="file",
+                                         joined=(WorkerSpec(id="C", endpoint="tcp://10.0.0.9:5557"),)))
+    never = judge(index, request("A", a.ts(50) - 0.5))  # C is listed, never connected
+    assert never.label is Label.ROUTING_MISS  # B, a member, proves it: C does not undo a proof
+    index.apply_fleet_change(FleetChange(at=a.ts(30), source="file", departed=("B",)))
+    never = judge(index, request("A", a.ts(50) - 0.5))
+    assert never.label is Label.UNKNOWN_HISTORY and never.history is History.LAGGING, never

@@ -1,0 +1,184 @@
+"""Fleet membership over time: which workers a router could choose at a lookup time.
+
+A worker's membership is a list of spans [joined, departed) on kvmiss's clock, as the
+membership sources observed them (`schemas.fleet.FleetChange.at`). A worker of the static
+``[[workers]]`` list, or one the index met only through its batches, has no span: it is a
+member from the start, forever, unless a change departs it.
+
+A source says when kvmiss *learned* of a change, not when the router stopped (or started)
+choosing the worker, and lookup times are on the engines' clocks. So every change has an
+uncertainty band of ``band_s`` either side (``[fleet] membership_uncertainty_s``: it must
+cover the source's delay and the engines' clock skew). At a lookup time t a worker is:
+
+  * ``MEMBER``: inside a span, clear of both its bands -- it counts as it always did;
+  * ``UNSETTLED``: within the band of a join or a departure -- neither a candidate holder
+    that proves ``routing_miss`` nor one that can be ruled out without proof of absence;
+  * ``DEPARTED``: clearly after its last departure, with no later join -- not a candidate
+    holder at all (it cannot be chosen, and it never needs ruling out);
+  * ``NOT_YET``: clearly outside every span, with a join after t -- not a candidate, but a
+    block it provably held then means it was being routed to before kvmiss saw it join
+    (the source was late by more than the band), so such a hold is unresolved, not ignored.
+
+docs/HISTORY.md, "Fleets that change", states the rules and their tests. Pure: no clocks,
+times are arguments.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Iterable
+
+from kvmiss.schemas.config import WorkerSpec
+
+INF = float("inf")
+RELEASED_KEPT = 4096  # ids of released workers remembered (spans naming them are not the fleet's)
+
+
+class Standing(enum.Enum):
+    MEMBER = "member"
+    UNSETTLED = "unsettled"
+    DEPARTED = "departed"
+    NOT_YET = "not_yet"
+
+
+class Joined(enum.Enum):
+    """What a join did to a worker (`Membership.join`)."""
+
+    SAME = "same"  # already a member with this spec (or adopted a spec for a static member)
+    NEW = "new"  # not a member before
+    REJOINED = "rejoined"  # had departed: a new membership span, nothing carried over
+    REPLACED = "replaced"  # a member with another spec: departed and joined at once
+
+
+class Membership:
+    """Per-worker membership spans; see the module docstring. Not thread-safe."""
+
+    def __init__(self, static: Iterable[str] = (), *, band_s: float = 2.0, dynamic: bool = False):
+        if not band_s >= 0:
+            raise ValueError("membership band must be >= 0")
+        self.band_s = band_s
+        self.static = set(static)  # members from the start, without a span until a change
+        # True when a source other than the static list may change the fleet: then a worker
+        # spans name before any source announced it may be a joiner (the pipeline waits).
+        self.dynamic = dynamic
+        self._spans: dict[str, list[list[float]]] = {}  # worker -> [[joined, departed], ...]
+        self._rejoined: set[str] = set()  # members with an ended span before their current one
+        self.specs: dict[str, WorkerSpec] = {}  # members' specs, as the sources gave them
+        self.departed: dict[str, float] = {}  # not a member now -> when it left (kvmiss clock)
+        self.released: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.joins = 0
+        self.departures = 0
+
+    # --- changes ---------------------------------------------------------------------------
+
+    def has_span(self, worker: str) -> bool:
+        """Whether a change has given ``worker`` a membership span."""
+        return worker in self._spans
+
+    def is_member(self, worker: str) -> bool:
+        spans = self._spans.get(worker)
+        return spans[-1][1] == INF if spans is not None else worker not in self.released
+
+    def join(self, spec: WorkerSpec, at: float) -> Joined:
+        worker, spans = spec.id, self._spans.get(spec.id)
+        self.released.pop(worker, None)
+        if self.is_member(worker) and (spans is not None or worker in self.static):
+            known = self.specs.get(worker)
+            if known is None or known == spec:
+                self.specs[worker] = spec
+                return Joined.SAME
+            self._close(worker, at)  # another engine under the same id: a new span
+            self._spans[worker].append([at, INF])
+            self._rejoined.add(worker)
+            self.specs[worker] = spec
+            self.joins += 1
+            self.departures += 1
+            return Joined.REPLACED
+        self.specs[worker] = spec
+        self.joins += 1
+        if spans is None:
+            self._spans[worker] = [[at, INF]]
+            return Joined.NEW
+        self.departed.pop(worker, None)
+        spans.append([max(at, spans[-1][1]), INF])
+        self._rejoined.add(worker)
+        return Joined.REJOINED
+
+    def depart(self, worker: str, at: float) -> bool:
+        """False when ``worker`` was not a member (nothing to do)."""
+        if not self.is_member(worker) or (worker not in self._spans and worker not in self.static):
+            return False
+        self._close(worker, at)
+        self.specs.pop(worker, None)
+        self.departed[worker] = at
+        self.departures += 1
+        return True
+
+    def _close(self, worker: str, at: float) -> None:
+        spans = self._spans.setdefault(worker, [[-INF, INF]])
+        spans[-1][1] = max(at, spans[-1][0])
+
+    def release(self, before: float) -> list[str]:
+        """Forget departed workers that left before ``before`` (kvmiss clock, band included by
+        the caller), and spans of members that ended before it; returns the workers forgotten."""
+        gone = [w for w, at in self.departed.items() if at < before]
+        for worker in gone:
+            del self.departed[worker]
+            del self._spans[worker]
+            self.released[worker] = before
+            if len(self.released) > RELEASED_KEPT:
+                self.released.popitem(last=False)
+        for worker in list(self._rejoined):
+            spans = self._spans.get(worker)
+            if spans is None or spans[-1][1] != INF:
+                self._rejoined.discard(worker)  # departed again, or released: handled above
+            elif spans[0][1] < before:
+                spans[:] = [s for s in spans[:-1] if s[1] >= before] + spans[-1:]
+                if len(spans) == 1:
+                    self._rejoined.discard(worker)
+        return gone
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def standing(self, worker: str, t: float) -> Standing:
+        """The worker's place in the fleet at lookup time ``t`` (see the module docstring)."""
+        spans = self._spans.get(worker)
+        if spans is None:
+            return Standing.DEPARTED if worker in self.released else Standing.MEMBER
+        if t != t:  # NaN: nothing can be placed
+            return Standing.UNSETTLED
+        band, later_join = self.band_s, False
+        for joined, departed in spans:
+            if joined + band < t < departed - band:
+                return Standing.MEMBER
+            if joined - band <= t <= joined + band or departed - band <= t <= departed + band:
+                return Standing.UNSETTLED
+            later_join = later_join or joined > t
+        return Standing.NOT_YET if later_join else Standing.DEPARTED
+
+    def departed_until(self, worker: str) -> float | None:
+        """For a worker departed now: the last lookup time at which it may still count (its
+        departure plus the band; -inf once released); None for a member."""
+        at = self.departed.get(worker)
+        if at is None:
+            return -INF if worker in self.released and worker not in self._spans else None
+        return at + self.band_s
+
+    def members(self) -> list[str]:
+        """Members now that a source announced or the static list named (sorted)."""
+        named = self.static | self._spans.keys() | self.specs.keys()
+        return sorted(w for w in named if self.is_member(w))
+
+    def known_departed(self, worker: str) -> bool:
+        """Whether ``worker`` left the fleet (departed now, or released since)."""
+        return worker in self.departed or worker in self.released
+
+    @property
+    def due(self) -> bool:
+        """Whether `release` may have something to forget."""
+        return bool(self.departed or self._rejoined)
+
+    @property
+    def span_count(self) -> int:
+        return sum(len(spans) for spans in self._spans.values())

@@ -1,0 +1,278 @@
+"""Fleets that change (docs/HISTORY.md): a departed worker is no candidate holder after it
+left, counts as before until it left, and is unsettled in the band between; a request it
+served while draining is judged on its own history; its views are released after retention;
+a worker back under the same id is a new epoch; a listed worker without history is an
+unresolved holder; before a worker joined, only a proven hold of it counts (as unsettled)."""
+
+from __future__ import annotations
+
+import pytest
+from fleet_builders import H, WorkerFeed, removed, request, stored
+
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.membership import Membership, Standing
+from kvmiss.schemas.attribution import History, Label
+from kvmiss.schemas.config import WorkerSpec
+from kvmiss.schemas.fleet import FleetChange
+
+BAND = 2.0
+
+
+def judge(index, facts):
+    return Attributor(index).attribute(facts)
+
+
+def spec(worker: str, port: int = 5557) -> WorkerSpec:
+    return WorkerSpec(id=worker, endpoint=f"tcp://10.0.0.1:{port}")
+
+
+def depart(index, worker, at):
+    index.apply_fleet_change(FleetChange(at=at, source="file", departed=(worker,)))
+
+
+def join(index, worker, at, port=5557):
+    index.apply_fleet_change(FleetChange(at=at, source="file", joined=(spec(worker, port),)))
+
+
+def a_evicts_b_holds(upto=60):
+    """A stored H at 3 and removed it at 10; B stored H at 4 and holds it; both continuous."""
+    index, a, b = ResidencyIndex(["A", "B"], membership_uncertainty_s=BAND), WorkerFeed("A"), WorkerFeed("B")
+    for x in a.batches(range(0, upto), {3: [stored(H)], 10: [removed(H)]}):
+        index.apply(x)
+    for x in b.batches(range(0, upto), {4: [stored(H)]}):
+        index.apply(x)
+    return index, a, b
+
+
+class TestStanding:
+    def test_a_static_worker_is_a_member_at_every_time_until_a_change_departs_it(self):
+        m = Membership(["A"], band_s=BAND)
+        assert {m.standing("A", t) for t in (-1e9, 0.0, 1e9)} == {Standing.MEMBER}
+        assert m.depart("A", 100.0)
+        assert [m.standing("A", t) for t in (97.9, 98.0, 102.0, 102.1)] == [
+            Standing.MEMBER, Standing.UNSETTLED, Standing.UNSETTLED, Standing.DEPARTED]
+
+    def test_a_joiner_is_not_yet_a_member_before_its_band_and_a_member_after(self):
+        m = Membership(band_s=BAND)
+        m.join(spec("C"), 100.0)
+        assert [m.standing("C", t) for t in (97.9, 98.0, 102.0, 102.1)] == [
+            Standing.NOT_YET, Standing.UNSETTLED, Standing.UNSETTLED, Standing.MEMBER]
+
+    def test_the_same_spec_again_is_no_change_and_another_spec_under_the_id_is_a_replacement(self):
+        m = Membership(band_s=BAND)
+        m.join(spec("C"), 100.0)
+        assert m.join(spec("C"), 150.0).value == "same" and m.standing("C", 150.0) is Standing.MEMBER
+        assert m.join(spec("C", port=6000), 200.0).value == "replaced"
+        assert m.standing("C", 200.0) is Standing.UNSETTLED and m.standing("C", 150.0) is Standing.MEMBER
+        assert (m.joins, m.departures) == (2, 1)
+
+    def test_a_departure_of_a_worker_that_is_not_a_member_changes_nothing(self):
+        m = Membership(["A"], band_s=BAND)
+        assert not m.depart("Z", 1.0)
+        assert m.depart("A", 1.0) and not m.depart("A", 2.0)
+        assert m.departed == {"A": 1.0} and m.departures == 1
+
+    def test_a_nan_lookup_time_cannot_be_placed(self):
+        m = Membership(["A"], band_s=BAND)
+        m.depart("A", 10.0)
+        assert m.standing("A", float("nan")) is Standing.UNSETTLED
+
+    def test_a_negative_band_is_refused(self):
+        with pytest.raises(ValueError, match="band"):
+            Membership(band_s=-1.0)
+
+
+class TestDeparture:
+    def test_after_the_band_the_departed_holder_is_no_candidate_before_it_it_proves_routing_miss(self):
+        index, a, _ = a_evicts_b_holds()
+        d = a.ts(30)
+        depart(index, "B", d)
+        assert judge(index, request("A", d + BAND + 0.5)).label is Label.EVICTED
+        assert judge(index, request("A", d - BAND - 0.5)).label is Label.ROUTING_MISS
+
+    def test_inside_the_band_a_holder_neither_proves_routing_miss_nor_is_ruled_out(self):
+        index, a, _ = a_evicts_b_holds()
+        d = a.ts(30)
+        depart(index, "B", d)
+        for t in (d - BAND + 0.5, d - 0.5, d + 0.5, d + BAND - 0.5):
+            v = judge(index, request("A", t))
+            assert v.label is Label.UNKNOWN_HISTORY and v.holders == 0, (t, v)
+            assert "membership" in v.reason
+
+    def test_inside_the_band_a_departed_worker_that_provably_never_held_it_does_not_matter(self):
+        index, a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A"), WorkerFeed("B")
+        for x in a.batches(range(0, 60), {3: [stored(H)], 10: [removed(H)]}):
+            index.apply(x)
+        for x in b.batches(range(0, 60)):  # B never stores H
+            index.apply(x)
+        depart(index, "B", a.ts(30))
+        assert judge(index, request("A", a.ts(30) - 0.5)).label is Label.EVICTED
+
+    def test_a_departed_worker_whose_history_stopped_never_blocks_a_proof_after_the_band(self):
+        # B's stream ends with its departure: behind every later lookup, which would leave
+        # a member unresolved; departed, it no longer counts.
+        index, a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A"), WorkerFeed("B")
+        for x in a.batches(range(0, 60), {3: [stored(H)], 10: [removed(H)]}):
+            index.apply(x)
+        for x in b.batches(range(0, 30)):
+            index.apply(x)
+        assert judge(index, request("A", a.ts(50))).label is Label.UNKNOWN_HISTORY  # B lags
+        depart(index, "B", a.ts(30))
+        assert judge(index, request("A", a.ts(50))).label is Label.EVICTED
+
+    def test_a_request_the_departed_worker_served_while_draining_is_judged_on_its_own_history(self):
+        index, a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A"), WorkerFeed("B")
+        for x in a.batches(range(0, 60)):  # A never stores H
+            index.apply(x)
+        depart(index, "B", b.ts(20))
+        for x in b.batches(range(0, 50), {4: [stored(H)], 30: [removed(H)]}):  # B drains
+            index.apply(x)
+        v = judge(index, request("B", b.ts(40) - 0.5))
+        assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (4, 30), v
+        # Had a member held H then, the router could have sent it there: routing_miss.
+        for x in WorkerFeed("C").batches(range(0, 60), {5: [stored(H)]}):
+            index.apply(x)
+        assert judge(index, request("B", b.ts(40) - 0.5)).label is Label.ROUTING_MISS
+
+    def test_the_departed_workers_clock_beyond_the_bound_no_longer_counts_after_the_band(self):
+        from kvmiss.schemas.attribution import ClockOffset
+
+        index, a, _ = a_evicts_b_holds()
+        depart(index, "B", a.ts(30))
+        ahead = {"B": ClockOffset(-2.0, -0.25, 1.25)}
+        attributor = Attributor(index, clocks=ahead.get)
+        assert attributor.attribute(request("A", a.ts(30) + BAND + 0.5)).label is Label.EVICTED
+        assert attributor.attribute(request("A", a.ts(30) - BAND - 0.5)).label is Label.UNKNOWN_HISTORY
+
+
+class TestRelease:
+    def test_a_departed_workers_views_are_released_after_retention_and_the_band(self):
+        index, a, _ = a_evicts_b_holds()
+        index.retention_s = 100.0
+        d = a.ts(30)
+        depart(index, "B", d)
+        index.prune(d + 100.0 + BAND - 1.0)
+        assert "B" in index.tracked and index.views("B")
+        index.prune(d + 100.0 + BAND + 1.0)
+        assert "B" not in index.tracked and not index.views("B") and index.view_count == 1
+        assert index.membership.known_departed("B") and "B" not in index.membership.members()
+
+    def test_memory_does_not_grow_with_churn(self):
+        """A thousand workers join, publish and depart; with retention of 30 s and one change
+        a second, what the index holds stays bounded by retention, not by the churn."""
+        index = ResidencyIndex(["A"], retention_s=30.0, membership_uncertainty_s=BAND)
+        a = WorkerFeed("A", ts0=0.0)
+        peak = {"views": 0, "tracked": 0, "spans": 0}
+        for i in range(1000):
+            now = float(i)
+            index.apply(a.batch(i, stored(1_000_000 + i)))
+            worker = f"w{i}"
+            join(index, worker, now, port=1000 + i % 50)
+            feed = WorkerFeed(worker, epoch=index.next_epoch(worker), ts0=now)
+            for seq in range(3):
+                index.apply(feed.batch(seq, stored(i * 10 + seq)))
+            if i >= 5:
+                depart(index, f"w{i - 5}", now)
+            if i % 10 == 0:
+                index.prune(now)
+            peak = {"views": max(peak["views"], index.view_count),
+                    "tracked": max(peak["tracked"], len(index.tracked)),
+                    "spans": max(peak["spans"], index.membership.span_count)}
+        # ~5 members + ~(30 + 2 + 10) s of departed workers kept for lookups before they left.
+        assert peak["views"] <= 60 and peak["tracked"] <= 60 and peak["spans"] <= 60, peak
+        assert len(index.membership.released) <= 4096
+
+    def test_a_worker_that_departs_and_rejoins_over_and_over_keeps_bounded_spans(self):
+        index = ResidencyIndex(["A"], retention_s=10.0)
+        for i in range(500):
+            depart(index, "A", 2.0 * i)
+            join(index, "A", 2.0 * i + 1.0)
+            if i % 5 == 0:
+                index.prune(2.0 * i)
+        assert index.membership.span_count <= 12
+
+
+class TestRejoin:
+    def test_a_worker_back_under_the_same_id_is_a_new_epoch_with_nothing_carried_over(self):
+        index, a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A"), WorkerFeed("B")
+        for x in a.batches(range(0, 100)):
+            index.apply(x)
+        for x in b.batches(range(0, 40), {4: [stored(H)]}):  # the old process held H
+            index.apply(x)
+        depart(index, "B", b.ts(40))
+        join(index, "B", b.ts(50))
+        epoch = index.next_epoch("B")
+        assert epoch == 1
+        back = WorkerFeed("B", epoch=epoch, ts0=b.ts(50))
+        for x in back.batches(range(0, 20)):  # the new process never stores H
+            index.apply(x)
+        assert {v.epoch for v in index.views("B")} == {0, 1}
+        v = judge(index, request("B", back.ts(10)))
+        assert v.label is Label.NO_MATCH and v.epoch == 1, v
+        # The old lifetime still answers for a lookup before it left.
+        assert judge(index, request("B", b.ts(30))).epoch == 0
+
+    def test_a_rejoined_worker_that_held_the_block_only_before_it_left_is_no_candidate_after(self):
+        index, a, b = a_evicts_b_holds(upto=80)  # B's old lifetime held H throughout
+        depart(index, "B", a.ts(20))
+        join(index, "B", a.ts(40))
+        back = WorkerFeed("B", epoch=index.next_epoch("B"), ts0=a.ts(41))
+        for x in back.batches(range(0, 35)):
+            index.apply(x)
+        # Between leaving and coming back B's old lifetime held H: not a member then, and it
+        # proves a hold before a join -> unsettled, never routing_miss.
+        assert judge(index, request("A", a.ts(30))).label is Label.UNKNOWN_HISTORY
+        # After it came back, its new lifetime never stored H: A's eviction stands.
+        assert judge(index, request("A", a.ts(60))).label is Label.EVICTED
+
+
+class TestJoin:
+    def test_a_listed_worker_that_never_connected_is_an_unresolved_holder_never_absent(self):
+        index, a, _ = a_evicts_b_holds()
+        depart(index, "B", a.ts(5))
+        join(index, "C", a.ts(10))
+        v = judge(index, request("A", a.ts(50)))
+        assert v.label is Label.UNKNOWN_HISTORY and v.history is History.LAGGING, v
+        assert "C" in index.tracked and "C" in index.membership.members()
+
+    def test_a_listed_worker_whose_stream_died_stays_unresolved(self):
+        index, a, _ = a_evicts_b_holds(upto=60)
+        depart(index, "B", a.ts(5))
+        join(index, "C", a.ts(10))
+        c = WorkerFeed("C", ts0=a.ts(11))
+        for x in c.batches(range(0, 10)):  # then silent: silence is never a departure
+            index.apply(x)
+        assert judge(index, request("A", a.ts(15))).label is Label.EVICTED  # C proven empty then
+        assert judge(index, request("A", a.ts(50))).label is Label.UNKNOWN_HISTORY
+
+    def test_before_it_joined_a_worker_counts_only_by_a_proven_hold_and_then_as_unsettled(self):
+        # C's engine ran from ts 1000 and is followed from seq 0 (its ring held it), but it
+        # joined the fleet at ts 1040.
+        for holds, expected in ((True, Label.UNKNOWN_HISTORY), (False, Label.EVICTED)):
+            index, a, b = a_evicts_b_holds()
+            depart(index, "B", a.ts(5))
+            join(index, "C", a.ts(40))
+            c = WorkerFeed("C", ts0=1000.0)
+            for x in c.batches(range(0, 60), {6: [stored(H)]} if holds else {}):
+                index.apply(x)
+            v = judge(index, request("A", a.ts(20)))  # clearly before the join
+            assert v.label is expected and v.holders == 0, (holds, v)
+
+    def test_a_joiner_is_a_candidate_holder_once_past_the_band(self):
+        index, a, b = a_evicts_b_holds()
+        depart(index, "B", a.ts(5))
+        join(index, "C", a.ts(20))
+        c = WorkerFeed("C", ts0=a.ts(20))
+        for x in c.batches(range(0, 40), {2: [stored(H)]}):
+            index.apply(x)
+        assert judge(index, request("A", a.ts(40))).label is Label.ROUTING_MISS
+
+
+def test_a_static_fleet_never_given_a_change_judges_as_before():
+    index, a, _ = a_evicts_b_holds()
+    assert not index.membership.dynamic and index.membership.members() == ["A", "B"]
+    assert judge(index, request("A", a.ts(50))).label is Label.ROUTING_MISS
+    index.apply_fleet_change(FleetChange(at=0.0, source="static", joined=(spec("A"),)))
+    assert not index.membership.dynamic
+    assert judge(index, request("A", a.ts(50))).label is Label.ROUTING_MISS
