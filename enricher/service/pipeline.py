@@ -336,8 +336,9 @@ class Pipeline:
         self._ready = waiting
         self._judged.expire(now)
         if self.unsubscribed:
+            tracked = self.attributor.index.tracked
             for worker, seen in list(self.unsubscribed.items()):
-                if now - seen > self.unsubscribed_keep_s:
+                if now - seen > self.unsubscribed_keep_s or worker in tracked:  # (or it joined)
                     del self.unsubscribed[worker]
         return judged
 
@@ -367,12 +368,20 @@ class Pipeline:
             self._give_up(assembly, facts)
             return 0
         worker = facts.worker
-        tracked = worker is not None and worker in self.attributor.index.tracked
+        index = self.attributor.index
+        awaited = tracked = worker is not None and worker in index.tracked
         if worker is not None and not tracked:
-            self._note_unsubscribed(worker, now)  # and judged at once: no history will come
+            membership = index.membership
+            if not membership.dynamic:
+                self._note_unsubscribed(worker, now)  # and judged at once: no history will come
+            elif not membership.known_departed(worker):
+                # A fleet that changes: a worker no source announced yet may be joining. It is
+                # an unresolved holder meanwhile, and its own request waits for its history.
+                self._note_unsubscribed(worker, now)
+                awaited = True
         if not expired and assembly.awaits_request_span():
             return None  # an engine lookup waits (bounded) for its request's span
-        if tracked and facts.lookup_time is not None and not self._history_reached(facts):
+        if awaited and facts.lookup_time is not None and not self._history_reached(facts):
             # (`_history_reached` is True at once for a label that needs no index.)
             if not final:
                 self._ready.append((assembly, facts, now))
@@ -388,6 +397,10 @@ class Pipeline:
         if worker not in known:
             if len(known) >= MAX_UNSUBSCRIBED:
                 worker = min(known, key=known.__getitem__)  # refresh the oldest: still one unresolved
+            elif self.attributor.index.membership.dynamic:
+                log.warning("spans name worker %r, which no membership source has announced: it cannot be "
+                            "ruled out as a holder until it joins (its own requests wait for it), or until "
+                            "no span names it for %.0f s", worker[:64], self.unsubscribed_keep_s)
             else:
                 log.warning("spans name worker %r, which no [[workers]] entry subscribes to: it cannot be "
                             "ruled out as a holder, so misses below routing_miss are unknown_history until "
@@ -402,7 +415,7 @@ class Pipeline:
         first-miss block, which leaves every label below routing_miss unprovable. A request
         that missed nothing reusable needs no fleet view. A worker that has proven nothing for
         more than the wait before t (down, or far behind) is not waited for: the wait would
-        not help."""
+        not help; nor is one that departed the fleet (its stream is gone)."""
         if not needs_index(facts.prompt_tokens, facts.cached_tokens, facts.block_size, facts.transfers):
             return True  # hit, lookup_limit, or proven by its own spans: no index needed
         index, t = self.attributor.index, facts.lookup_time
@@ -420,13 +433,15 @@ class Pipeline:
 
     def _fleet_reach(self) -> list[tuple[float, str]]:
         """(engine time history is proven through, worker) of every tracked worker's current
-        lifetime whose epoch is established, least advanced first; once per poll."""
+        lifetime whose epoch is established, and that has not departed the fleet, least
+        advanced first; once per poll."""
         if self._reach is None:
             index = self.attributor.index
-            margin = index.tail_margin_s
+            margin, departed = index.tail_margin_s, index.membership.departed
             self._reach = sorted(
                 (through, worker) for worker, view in index.current.items()
-                if view.epoch_certain and (through := view.reached_through(margin)) is not None)
+                if view.epoch_certain and worker not in departed
+                and (through := view.reached_through(margin)) is not None)
         return self._reach
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:

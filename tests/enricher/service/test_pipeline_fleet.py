@@ -1,0 +1,89 @@
+"""The pipeline with a fleet that changes (docs/HISTORY.md, "Fleets that change"): a request
+routed to a worker no source has announced yet waits (bounded) for it and is judged on its
+history once it joined; departed workers are not waited for; a static fleet keeps judging a
+span-named stranger at once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from fleet_builders import H, WorkerFeed, removed, stored
+from test_pipeline import Clock, attrs, export_request, make
+
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.schemas.config import WorkerSpec
+from kvmiss.schemas.fleet import FleetChange
+
+
+def miss(worker: str, request_id: str, t: float = 1020.5, block: int = 77) -> dict:
+    return {"name": "router", "trace_id": os.urandom(16), "gen_ai.request.id": request_id,
+            "gen_ai.usage.input_tokens": 40, "gen_ai.usage.cache_read.input_tokens": 16,
+            "kvmiss.route.worker": worker, "kvmiss.block_hashes": [7, block, 9],
+            "kvmiss.lookup_time_unix_nano": int(t * 1e9)}
+
+
+def a_followed(dynamic: bool) -> ResidencyIndex:
+    index, a = ResidencyIndex(["A"], dynamic_membership=dynamic), WorkerFeed("A", ts0=1000.0)
+    for batch in a.batches(range(0, 30)):
+        index.apply(batch)
+    return index
+
+
+def test_a_request_routed_to_a_worker_not_yet_announced_waits_and_is_judged_on_its_history():
+    index = a_followed(dynamic=True)
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0)
+    asyncio.run(pipe.consume(export_request(miss("C", "on-c", block=H - 2**64))))
+    assert pipe.poll() == 0 and sink.spans() == []  # waiting: C may be joining
+    # C joins one second later; its stream replays from seq 0: it stored H at 1005, evicted it at 1012.
+    index.apply_fleet_change(FleetChange(at=1.0, source="file",
+                                         joined=(WorkerSpec(id="C", endpoint="tcp://10.0.0.3:5557"),)))
+    c = WorkerFeed("C", epoch=index.next_epoch("C"), ts0=1000.0)
+    for batch in c.batches(range(0, 30), {5: [stored(H)], 12: [removed(H)]}):
+        index.apply(batch)
+    clock.t = 1.5
+    assert pipe.poll() == 1
+    (span,) = sink.spans()
+    assert attrs(span)["kvmiss.label"] == "evicted", attrs(span)
+    assert pipe.unsubscribed == {}  # announced: no longer a stranger
+
+
+def test_a_request_routed_to_a_worker_that_never_joins_is_unknown_after_the_wait():
+    index = a_followed(dynamic=True)
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0)
+    asyncio.run(pipe.consume(export_request(miss("C", "on-c"))))
+    clock.t = 4.9
+    assert pipe.poll() == 0
+    clock.t = 5.0
+    assert pipe.poll() == 1
+    out = attrs(sink.spans()[0])
+    assert out["kvmiss.label"] == "unknown_history" and out["kvmiss.history"] == "untracked"
+
+
+def test_a_static_fleet_judges_a_span_named_stranger_at_once():
+    index = a_followed(dynamic=False)
+    pipe, sink = make(index, Clock(0.0), judge_on_arrival=True)
+    asyncio.run(pipe.consume(export_request(miss("C", "on-c"))))
+    assert len(sink.spans()) == 1 and attrs(sink.spans()[0])["kvmiss.history"] == "untracked"
+
+
+def test_a_departed_worker_is_not_waited_for_nor_a_stranger_when_spans_name_it():
+    index, a, b = ResidencyIndex(["A", "B"], dynamic_membership=True), WorkerFeed("A"), WorkerFeed("B")
+    for batch in a.batches(range(0, 30)):
+        index.apply(batch)
+    for batch in b.batches(range(0, 18)):  # B's stream ends at 1017: it left at 1016
+        index.apply(batch)
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0)
+    asyncio.run(pipe.consume(export_request(miss("A", "before-departure"))))
+    assert sink.spans() == []  # B, behind t = 1020.5 by less than the wait, is waited for
+    index.apply_fleet_change(FleetChange(at=1016.0, source="file", departed=("B",)))
+    pipe.poll()
+    assert [attrs(s)["kvmiss.label"] for s in sink.spans()] == ["no_match"]
+    # Released later, a late span naming B is its own request's business, not a holder's.
+    index.prune(1016.0 + index.retention_s + 10.0)
+    assert "B" not in index.tracked
+    asyncio.run(pipe.consume(export_request(miss("B", "late"))))
+    assert attrs(sink.spans()[-1])["kvmiss.history"] == "untracked" and pipe.unsubscribed == {}
