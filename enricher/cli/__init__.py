@@ -9,8 +9,8 @@ import sys
 
 # name -> (module under kvmiss.enricher.cli, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "decode": ("decode_cmd", "decode captured KV-event frames (JSON lines in/out)"),
-    "hash": ("hash_cmd", "compute vLLM-compatible block hashes for one request (JSON in/out)"),
+    "decode": ("decode_cmd", "decode captured KV-event frames (base64 frames as JSON lines on stdin)"),
+    "hash": ("hash_cmd", "vLLM-compatible block hashes for one request (a JSON object on stdin)"),
     "attribute": ("attribute_cmd", "offline attribution: a KV-event recording + request records"),
     "serve": ("serve_cmd", "run the enricher: KV-event collectors, residency index, OTLP in and out, metrics"),
     "compare": ("compare_cmd", "where two prompt renderings stop sharing cached blocks (for CI)"),
@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         mod = importlib.import_module(f"{__name__}.{module}")
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=mod.HELP_INPUT,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -18,6 +18,14 @@ from kvmiss.enricher.service.offline import attribute_requests, index_from_recor
 from kvmiss.schemas.config import ConfigError, load_config
 
 
+# Shown under `kvmiss attribute --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    --events FILE: a recording from `kvmiss collect --record`; --requests FILE ('-': stdin):
+          request records, one JSON object per line: {"prompt_tokens", "cached_tokens", "block_size",
+          "worker", "lookup_time", "block_hashes", ...} (README, "Request records")
+example:  kvmiss attribute --events rec.kvrec --requests requests.jsonl --out attributions.jsonl
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", required=True, help="a recording made by `kvmiss collect --record`")
     parser.add_argument("--requests", required=True, help="request records, JSON lines ('-' for stdin)")

@@ -21,6 +21,12 @@ from typing import IO, Any
 import msgspec
 
 
+# Shown under `kvmiss collect --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    --config FILE: kvmiss.toml (its [[workers]] and [fleet] say what to subscribe to)
+example:  kvmiss collect --config examples/kvmiss.toml --record rec.kvrec --duration 600
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE",
                         help="kvmiss TOML configuration; its [[workers]] are subscribed to")

@@ -29,6 +29,14 @@ _line_decoder = msgspec.json.Decoder(_InputLine)
 _encoder = msgspec.json.Encoder()
 
 
+# Shown under `kvmiss decode --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    stdin, one JSON object per line: {"frames": ["<base64 frame>", ...], "socket": "sub"|"dealer"}
+          ("socket" optional), as `kvmiss collect --record` files and tests/data/engines/*.jsonl hold them
+          (live: topic, 8-byte seq, msgpack batch; the example is one BlockRemoved at seq 7)
+example:  echo '{"frames": ["", "AAAAAAAAAAc=", "k8tB2kyPKAAAAJGTrEJsb2NrUmVtb3ZlZJHOB1vNFaNHUFXA"]}' | kvmiss decode
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--raw",
@@ -73,12 +81,17 @@ def decode_line(line: bytes, *, include_raw: bool = False) -> dict[str, Any]:
 def run(args: argparse.Namespace, stdin: IO[bytes] | None = None, stdout: IO[bytes] | None = None) -> int:
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
-    failed = 0
+    failed = read = 0
     for line in stdin:
         if not line.strip():
             continue
+        read += 1
         out = decode_line(line, include_raw=args.raw)
         failed += out["kind"] == "error"
         stdout.write(_encoder.encode(out) + b"\n")
         stdout.flush()
+    if not read:
+        sys.stderr.write("kvmiss decode: the input is empty: expected JSON lines of base64 frames on stdin "
+                         "(kvmiss decode --help shows the form)\n")
+        return 2
     return 1 if failed else 0

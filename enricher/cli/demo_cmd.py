@@ -17,6 +17,12 @@ import json
 import sys
 
 
+# Shown under `kvmiss demo --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    none: a simulated fleet and workload built in (shaped by the flags below)
+example:  kvmiss demo --requests 600 --seed 7 --out ./kvmiss-demo-out
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvmiss.enricher.demo.faults import FAULTS
 

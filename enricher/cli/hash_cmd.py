@@ -43,6 +43,16 @@ class InputError(ValueError):
     """Bad input; the message names the field."""
 
 
+# Shown under `kvmiss hash --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    stdin, one JSON object: {"algo": "sha256_cbor", "block_size": 16, "token_ids": [...],
+          "seed": "0", "cache_salt": ..., "lora": {"name", "path"}, "mm": [{"id", "offset", "length"}],
+          "prompt_embeds_block_digests": [...], "extra_keys_format": "tagged", "lookahead_tokens": 0}
+          (only algo, block_size and token_ids are required; README, "kvmiss hash input")
+output:   {"none_hash_hex", "block_hashes_hex", "block_hashes"} (uint64, as engines publish them)
+example:  echo '{"algo": "sha256_cbor", "seed": "0", "block_size": 2, "token_ids": [1, 2, 3, 4]}' | kvmiss hash
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """No options: the whole request is read from stdin."""
 
@@ -51,6 +61,8 @@ def compute(raw: bytes) -> dict:
     """Decode one request and hash it; raises `InputError` naming the field at fault."""
     from kvmiss.enricher.core.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
 
+    if not raw.strip():
+        raise InputError("the input is empty: expected one JSON object on stdin (kvmiss hash --help shows its fields)")
     try:
         req = _decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

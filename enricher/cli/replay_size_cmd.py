@@ -21,6 +21,12 @@ from kvmiss.collectors.replay_window import (
 )
 
 
+# Shown under `kvmiss replay-size --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    --peak-batches-per-s N, or --recording FILE from `kvmiss collect --record`
+example:  kvmiss replay-size --peak-batches-per-s 800 --outage-s 12
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--peak-batches-per-s", type=float, help="peak published batches per second")

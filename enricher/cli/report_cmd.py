@@ -14,6 +14,13 @@ import argparse
 import sys
 
 
+# Shown under `kvmiss report --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    --records FILE: attribution records (`kvmiss attribute` output), or --spans FILE: enriched
+          OTLP/JSON spans ([export] file), one JSON object per line
+example:  kvmiss report --spans enriched.otlp.jsonl --out ./kvmiss-report
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--records", metavar="FILE.jsonl",

@@ -20,6 +20,13 @@ import sys
 from typing import IO, Iterator
 
 
+# Shown under `kvmiss requests --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    --otlp FILE (repeatable): OTLP/JSON export requests, one per line (a Collector's file
+          exporter upstream of kvmiss)
+example:  kvmiss requests --otlp spans.otlp.jsonl --config kvmiss.toml --out requests.jsonl
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp", required=True, action="append", metavar="FILE",
                         help="OTLP/JSON lines (a Collector's file exporter; '-' for stdin); may be repeated")

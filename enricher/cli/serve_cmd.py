@@ -36,6 +36,13 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+# Shown under `kvmiss serve --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    --config FILE: kvmiss.toml (every key: examples/kvmiss.toml); spans over OTLP, KV events
+          over ZeroMQ; the digest secret from the variable [privacy] digest_key_env names
+example:  KVMISS_DIGEST_KEY=$(openssl rand -hex 16) kvmiss serve --config examples/kvmiss.toml --check
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="kvmiss.toml")
     parser.add_argument("--otlp-grpc", help="OTLP/gRPC listen address (overrides [otlp] grpc)")

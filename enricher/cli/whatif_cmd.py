@@ -24,6 +24,13 @@ from kvmiss.schemas.config import ConfigError, load_config
 from kvmiss.schemas.events import BlockStored
 
 
+# Shown under `kvmiss whatif --help`: what it reads, in one schema line, and one example.
+HELP_INPUT = """\
+input:    --events FILE from `kvmiss collect --record`; --requests FILE: request records with
+          finish_time and output_tokens, one JSON object per line ([export] request_records, `kvmiss requests`)
+example:  kvmiss whatif --events rec.kvrec --requests requests.jsonl --pool-blocks 4096 --scales 1,2,4
+"""
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", required=True, help="a recording made by `kvmiss collect --record`")
     parser.add_argument("--requests", required=True, help="request records, JSON lines")

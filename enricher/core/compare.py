@@ -19,22 +19,47 @@ from kvmiss.schemas.prompt import HashRequest
 
 
 class Result(str, enum.Enum):
-    IDENTICAL_CHAIN = "identical_chain"  # every full block both have is the same block
+    IDENTICAL_CHAIN = "identical_chain"  # the same full blocks, as many on both sides
+    CANDIDATE_IS_PREFIX = "candidate_is_prefix"  # every candidate block is the reference's; it has fewer
+    REFERENCE_IS_PREFIX = "reference_is_prefix"  # the candidate extends the reference
+    SHORTER_THAN_ONE_BLOCK = "shorter_than_one_block"  # a side has no full block: nothing to share
     DIVERGED = "diverged"
 
 
-class Comparison(msgspec.Struct, kw_only=True, omit_defaults=True):
+# The engine settings both sides must be hashed with; a difference is an input error, not a
+# divergence (the same prompt under another block size is another chain by construction).
+SETTINGS = ("algo", "block_size", "seed", "extra_keys_format", "lookahead_tokens")
+
+
+class SettingsMismatch(ValueError):
+    """The two prompts were described with different engine settings; names the setting."""
+
+
+class Comparison(msgspec.Struct, kw_only=True):
+    """Every key is always present (None or empty where it does not apply), so a CI script
+    can read any of them without checking first."""
+
     result: Result
     shared_blocks: int
     shared_tokens: int
     block_size: int
+    reference_blocks: int
+    candidate_blocks: int
     first_differing_block: int | None = None
     first_differing_token: int | None = None  # None when only extra keys differ
-    cause: str | None = None  # "tokens" | "extra_keys"
+    cause: str | None = None  # "tokens" | "extra_keys" when diverged
     differing_kinds: tuple[str, ...] = ()
     digests: dict[str, dict[str, str | None]] = {}  # kind -> {"reference": d, "candidate": d}
-    reference_blocks: int = 0
-    candidate_blocks: int = 0
+
+
+def check_settings(reference: HashRequest, candidate: HashRequest) -> None:
+    """Raise `SettingsMismatch` naming the first engine setting the two sides disagree on."""
+    for name in SETTINGS:
+        ref, cand = getattr(reference, name), getattr(candidate, name)
+        if ref != cand:
+            raise SettingsMismatch(
+                f"{name} differs: reference {ref!r}, candidate {cand!r} (both prompts must be "
+                "described with the engine's settings; compare renderings, not engines)")
 
 
 def _first_token_difference(a: list[int], b: list[int]) -> int | None:
@@ -59,11 +84,13 @@ def _block_extra_values(req: HashRequest, block: int, block_size: int) -> dict[s
 
 def compare(reference: HashRequest, candidate: HashRequest, *,
             digest: Callable[[str], str]) -> Comparison:
-    """Compare two prompts hashed with the reference's engine settings.
+    """Compare two prompts hashed with one engine's settings (`SettingsMismatch` when the
+    two sides name different ones).
 
     ``digest`` maps a kind's value (as text) to a keyed digest; it is how differing salts
     or adapters are reported without showing them.
     """
+    check_settings(reference, candidate)
     hasher = BlockHasher(reference.algo, seed=reference.seed, block_size=reference.block_size,
                          extra_keys_format=reference.extra_keys_format,
                          lookahead_tokens=reference.lookahead_tokens)
@@ -76,9 +103,17 @@ def compare(reference: HashRequest, candidate: HashRequest, *,
             break
         shared += 1
     common = dict(block_size=b, reference_blocks=len(ref_chain), candidate_blocks=len(cand_chain))
+    if not ref_chain or not cand_chain:
+        return Comparison(result=Result.SHORTER_THAN_ONE_BLOCK, shared_blocks=0, shared_tokens=0,
+                          **common)
     if shared == min(len(ref_chain), len(cand_chain)):
-        return Comparison(result=Result.IDENTICAL_CHAIN, shared_blocks=shared,
-                          shared_tokens=shared * b, **common)
+        if len(ref_chain) == len(cand_chain):
+            result = Result.IDENTICAL_CHAIN
+        elif shared == len(cand_chain):
+            result = Result.CANDIDATE_IS_PREFIX
+        else:
+            result = Result.REFERENCE_IS_PREFIX
+        return Comparison(result=result, shared_blocks=shared, shared_tokens=shared * b, **common)
     token_index = _first_token_difference(reference.token_ids, candidate.token_ids)
     if token_index is not None and token_index < (shared + 1) * b:
         return Comparison(result=Result.DIVERGED, shared_blocks=shared, shared_tokens=shared * b,

@@ -67,7 +67,7 @@ def test_a_different_salt_differs_only_in_extra_keys_at_block_zero(tmp_path):
     proc, out = run_compare(tmp_path, prompt(render(), cache_salt="tenant-a-secret"),
                             prompt(render(), cache_salt="tenant-b-secret"), "--digest-key-env", "CMP_KEY")
     assert out["cause"] == "extra_keys" and out["differing_kinds"] == ["cache_salt"]
-    assert out["first_differing_block"] == 0 and "first_differing_token" not in out
+    assert out["first_differing_block"] == 0 and out["first_differing_token"] is None
     d = out["digests"]["cache_salt"]
     assert d["reference"] != d["candidate"] and d["reference"].count(":") == 1
     assert "tenant-a-secret" not in proc.stdout and "tenant-b-secret" not in proc.stdout
@@ -98,3 +98,67 @@ def test_token_values_appear_only_with_show_snippet(tmp_path):
 def test_bad_input_exits_2_naming_the_problem(tmp_path, bad):
     proc, _ = run_compare(tmp_path, prompt(render()), {**prompt(render()), **bad})
     assert proc.returncode == 2 and "candidate" in proc.stderr
+
+
+ALL_KEYS = {"result", "shared_blocks", "shared_tokens", "block_size", "reference_blocks", "candidate_blocks",
+            "first_differing_block", "first_differing_token", "cause", "differing_kinds", "digests"}
+
+
+@pytest.mark.parametrize("setting, value", [("block_size", 32), ("algo", "sha256"), ("seed", "1"),
+                                            ("extra_keys_format", "untagged"), ("lookahead_tokens", 1)])
+def test_a_candidate_described_with_other_engine_settings_is_an_error_naming_the_setting(tmp_path, setting, value):
+    proc, out = run_compare(tmp_path, prompt(render()), {**prompt(render()), setting: value})
+    assert proc.returncode == 2 and out is None
+    assert f"{setting} differs" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_candidate_shorter_than_one_block_gets_a_result_of_its_own_with_every_key(tmp_path):
+    proc, out = run_compare(tmp_path, prompt(render()), prompt(render()[:3]))
+    assert proc.returncode == 0 and out["result"] == "shorter_than_one_block"
+    assert set(out) == ALL_KEYS and out["candidate_blocks"] == 0 and out["shared_tokens"] == 0
+
+
+def test_a_strict_prefix_on_either_side_is_named_not_called_identical(tmp_path):
+    full = render()
+    prefix = full[:len(full) // 2]
+    proc, out = run_compare(tmp_path, prompt(full), prompt(prefix))
+    assert out["result"] == "candidate_is_prefix" and out["shared_blocks"] == out["candidate_blocks"] < out["reference_blocks"]
+    proc, out = run_compare(tmp_path, prompt(prefix), prompt(full))
+    assert out["result"] == "reference_is_prefix" and out["shared_blocks"] == out["reference_blocks"] < out["candidate_blocks"]
+    assert set(out) == ALL_KEYS
+
+
+def test_every_result_carries_every_key(tmp_path):
+    cases = [(render(), render()), (render(), render(preamble="X")),
+             (render(), render()[:40]), (render()[:3], render())]
+    for ref, cand in cases:
+        _, out = run_compare(tmp_path, prompt(ref), prompt(cand))
+        assert set(out) == ALL_KEYS, out["result"]
+
+
+def test_a_failed_expectation_says_what_was_expected_and_what_was_shared_in_one_line(tmp_path):
+    proc, out = run_compare(tmp_path, prompt(render()), prompt(render(preamble="Now: 12:00\n")),
+                            "--expect-shared-tokens", "48")
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert "expected at least 48 shared tokens, shared 0" in line and "diverged" in line
+
+
+def test_digests_without_a_key_are_said_to_be_for_this_run_only(tmp_path):
+    proc, out = run_compare(tmp_path, prompt(render(), cache_salt="tenant-a"), prompt(render(), cache_salt="tenant-b"))
+    assert out["digests"] and "stable across runs" in proc.stderr
+    proc, out = run_compare(tmp_path, prompt(render(), cache_salt="tenant-a"), prompt(render(), cache_salt="tenant-b"),
+                            "--digest-key-env", "CMP_KEY")
+    assert out["digests"] and proc.stderr == ""
+    _, again = run_compare(tmp_path, prompt(render(), cache_salt="tenant-a"), prompt(render(), cache_salt="tenant-b"),
+                           "--digest-key-env", "CMP_KEY")
+    assert again["digests"] == out["digests"]
+
+
+def test_an_empty_file_is_said_to_be_empty(tmp_path):
+    ref, cand = tmp_path / "ref.json", tmp_path / "cand.json"
+    ref.write_text(json.dumps(prompt(render())))
+    cand.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "kvmiss.enricher.cli", "compare", str(ref), str(cand)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "candidate" in proc.stderr and "empty" in proc.stderr
