@@ -9,7 +9,7 @@ SGLANG := sglang==0.5.23
 
 .PHONY: demo test venv clean
 
-$(STAMP): pyproject.toml enricher/core/_blocktable.c enricher/otlp/_otlpwire.c
+$(STAMP): pyproject.toml enricher/core/_blocktable.c enricher/otlp/_otlpwire.c collectors/_kvwire.c collectors/_kvwire.h
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e .

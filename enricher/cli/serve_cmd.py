@@ -165,7 +165,9 @@ def _check(config) -> int:
         f"request records: {records} (renamed to .old at {config.export.request_records_max_bytes / (1 << 20):g} MiB)"
         if records else "request records: off",
         f"metrics: {config.metrics.listen}",
-        f"engine: {config.engine.hash_algo}, seed {config.engine.hash_seed!r}, block size {config.engine.block_size}",
+        f"engine: {config.engine.hash_algo}, seed "
+        f"{'unset (the engine default)' if config.engine.hash_seed is None else repr(config.engine.hash_seed)}, "
+        f"block size {config.engine.block_size}",
         f"history: retention {config.history.retention_s:g} s, wait {config.history.wait_s:g} s",
         f"privacy: {key}",
         f"workers: {len(config.workers)}",

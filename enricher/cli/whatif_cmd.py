@@ -41,6 +41,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per worker and scale")
 
 
+# Scale 1 replays the recorded pool: a prediction further than this from what the engine did
+# says the replay is not modelling that engine, and the other scales inherit the error.
+CALIBRATION_POINTS = 1.0
+
+
+def calibration_gap(row: dict) -> float | None:
+    """Points by which a scale-1 prediction misses what the engine did, when beyond
+    `CALIBRATION_POINTS` (positive: the replay kept more)."""
+    gap = round(100 * (row["predicted_hit_ratio"] - row["observed_hit_ratio"]), 1)
+    return gap if abs(gap) > CALIBRATION_POINTS else None
+
+
+LIKELY_CAUSE = {
+    True: ("the engine kept less than vLLM's pool of that size would have: its pool is smaller than "
+           "--pool-blocks says, or it is not vLLM's pool (kvmiss demo's simulated engine evicts "
+           "differently), or it held blocks for requests the records do not show"),
+    False: ("the engine kept more than vLLM's pool of that size would have: its pool is larger than "
+            "--pool-blocks says, or an offload tier or another policy served blocks"),
+}
+
+
 def _scales(text: str) -> list[float]:
     scales = sorted({float(x) for x in text.split(",") if x.strip()})
     if not scales or scales[0] <= 0:
@@ -111,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
                          "predicted_hit_ratio": round(result.predicted_hit_ratio, 5),
                          "observed_hit_ratio": round(result.observed_hit_ratio, 5),
                          "uncertain": result.uncertain, **({"reason": result.reason} if result.reason else {})})
+    for row in rows:
+        if row["scale"] == 1.0 and (gap := calibration_gap(row)) is not None:
+            row["calibration"] = {"gap_points": gap, "likely_cause": LIKELY_CAUSE[gap > 0]}
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -123,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
               f"{row['predicted_hit_ratio']:>15.1%}{observed:>10}{flag}")
     for reason in sorted({row["reason"] for row in rows if row.get("reason")}):
         print(f"uncertain: {reason}")
+    off = [row for row in rows if "calibration" in row]
+    for row in off:
+        print(f"{row['worker']}: at scale 1 the replay predicts {row['predicted_hit_ratio']:.1%} against "
+              f"{row['observed_hit_ratio']:.1%} observed ({row['calibration']['gap_points']:+.1f} points)")
+    for over in sorted({row["calibration"]["gap_points"] > 0 for row in off}, reverse=True):
+        print(f"likely: {LIKELY_CAUSE[over]}; read the other scales relative to scale 1, not as absolutes")
     print("estimates under vLLM's pool policy (least recently freed first, blocks in use never evicted); "
           "they never change a kvmiss.label")
     return 0

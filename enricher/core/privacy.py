@@ -101,7 +101,9 @@ def load_digest_key(secret: str | None, env_name: str | None) -> DigestKey:
         raise DigestKeyError("the digest secret's environment variable name is not a valid name")
     value = os.environ.get(env_name)
     if not value:
-        raise DigestKeyError(f"environment variable {env_name} (digest secret) is not set or empty")
+        raise DigestKeyError(f"environment variable {env_name} (digest secret) is not set or empty: "
+                             f"set it to a secret of at least {MIN_SECRET_BYTES} bytes, e.g. "
+                             f"{env_name}=$(openssl rand -hex 16), the same on every replica")
     try:
         return DigestKey(value)
     except DigestKeyError as err:

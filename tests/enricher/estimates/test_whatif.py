@@ -163,6 +163,20 @@ def test_whatif_command_over_a_recording(tmp_path):
     for r in lines:
         assert r["observed_cached_tokens"] == 0 and r["requests"] == 3 and r["prompt_tokens"] == 39
         assert r["predicted_hit_ratio"] == round(r["predicted_cached_tokens"] / 39, 5) and r["uncertain"] is False
+    # The engine cached nothing where the replay of the same pool keeps 4 of 39 tokens: the
+    # replay does not model that engine, and the output says so (scale 1 only).
+    assert lines[0]["calibration"]["gap_points"] == round(100 * 4 / 39, 1)
+    assert "smaller than --pool-blocks" in lines[0]["calibration"]["likely_cause"]
+    assert "calibration" not in lines[1]
+    text = subprocess.run(command + ["--pool-blocks", "6", "--scales", "1,2"], capture_output=True, text=True)
+    assert "w0: at scale 1 the replay predicts 10.3% against 0.0% observed (+10.3 points)" in text.stdout
+    assert text.stdout.count("likely: ") == 1
+
+
+def test_a_scale_one_prediction_within_a_point_needs_no_explanation():
+    from kvmiss.enricher.cli.whatif_cmd import calibration_gap
+    assert calibration_gap({"predicted_hit_ratio": 0.483, "observed_hit_ratio": 0.480}) is None
+    assert calibration_gap({"predicted_hit_ratio": 0.40, "observed_hit_ratio": 0.45}) == -5.0
 
 
 # --- the live estimate on an evicted miss ---------------------------------------------------------
