@@ -276,3 +276,54 @@ def test_a_static_fleet_never_given_a_change_judges_as_before():
     index.apply_fleet_change(FleetChange(at=0.0, source="static", joined=(spec("A"),)))
     assert not index.membership.dynamic
     assert judge(index, request("A", a.ts(50))).label is Label.ROUTING_MISS
+
+
+class TestStreamsCreatedAtRunTime:
+    """The collector's real state machine for a worker that joins while kvmiss runs: from its
+    epoch start when the ring still holds seq 0, else a joined run; under a rejoined id its
+    epochs are numbered from `next_epoch`, so the old lifetime's view stays as it was."""
+
+    @staticmethod
+    def _message(seq: int, ts: float, *events, channel=None):
+        import msgspec
+
+        from kvmiss.collectors.frames import BatchMessage, Channel
+        from kvmiss.schemas.events import EventBatch
+
+        body = msgspec.msgpack.encode(EventBatch(ts, list(events) or [stored(10_000 + seq)], 0))
+        return BatchMessage(channel or Channel.LIVE, "", seq, body)
+
+    def _join(self, index, ring_from: int, now: float):
+        from kvmiss.collectors.continuity import Apply, RequestReplay, StreamConfig, StreamState
+        from kvmiss.collectors.frames import Channel, ReplayEnd
+        from kvmiss.collectors.stream import WorkerStream
+
+        join(index, "B", now)
+        stream = WorkerStream("B", replay=True, config=StreamConfig(replay_on_connect=False),
+                              state=StreamState(epoch=index.next_epoch("B")))
+        out = stream.on_live(self._message(8, now + 0.8, stored(H)), now)
+        assert out == [RequestReplay(0, request_id=1)]
+        for seq in range(ring_from, 9):
+            out += stream.on_replay(self._message(seq, now + seq / 10, channel=Channel.REPLAY), 1, now)
+        out += stream.on_replay(ReplayEnd(), 1, now)
+        for action in out:
+            if isinstance(action, Apply):
+                index.apply(action.batch)
+        return stream
+
+    def test_a_rejoined_worker_replayed_from_zero_is_a_new_epoch_from_its_start(self):
+        index, a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A"), WorkerFeed("B")
+        for x in b.batches(range(0, 20), {4: [stored(H)]}):
+            index.apply(x)
+        depart(index, "B", b.ts(20))
+        self._join(index, ring_from=0, now=b.ts(30))
+        new, old = index.views("B")
+        assert (new.epoch, old.epoch) == (1, 0)
+        assert new.runs[0].start.name == "EPOCH_START" and new.first_seq == 0
+        assert old.last_seq == 19  # the old lifetime, read-only, as it was
+
+    def test_a_joiner_whose_ring_moved_on_starts_a_joined_run(self):
+        index = ResidencyIndex(["A"])
+        self._join(index, ring_from=5, now=1000.0)
+        (view,) = index.views("B")
+        assert view.epoch == 0 and view.runs[0].start.name == "JOINED" and view.first_seq == 5
