@@ -99,6 +99,13 @@ SUB_RCVHWM = 200_000  # above the publishers' default 100,000 send HWM
 # tail probe's, with room to spare. ZeroMQ's default cap (1,023 per context) ran out at ~224
 # workers with replay (benchmarks/bench_ceiling.py): the collector thread died mid-fleet.
 SOCKETS_PER_WORKER = 8
+# ZMTP heartbeats on each SUB (`[collector] heartbeat_interval_s` / `heartbeat_timeout_s`): a SUB
+# sends nothing after subscribing, so a connection whose packets are silently dropped (a
+# firewall, a lost route, a host gone) looks open forever; measured across network namespaces
+# (benchmarks/netns_halfopen.py), it was never noticed. A PING every interval and no reply within
+# the timeout close it, and ZeroMQ reconnects. The TTL asks the publisher to drop its end as well.
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 4.0
 
 
 class Subscriber:
@@ -113,6 +120,8 @@ class Subscriber:
         clock: Callable[[], float] = time.time,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 5_000,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ):
         self.fleet = fleet
         self.recorder = recorder
@@ -124,6 +133,7 @@ class Subscriber:
                                              SOCKETS_PER_WORKER * len(fleet.specs) + 64))
         self._ctx = context
         self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
+        self._heartbeat = (round(heartbeat_interval_s * 1000), round(heartbeat_timeout_s * 1000))
         self._recv_messages = _compiled_receiver()
         self._due: float | None = None  # the soonest timer as of the last round or replay request
         self._last_poll = float("-inf")  # monotonic time of the last poll
@@ -204,6 +214,11 @@ class Subscriber:
             sub.setsockopt(zmq.RECONNECT_IVL, ivl)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, ivl_max)
             sub.setsockopt(zmq.LINGER, 0)
+            heartbeat_ms, timeout_ms = self._heartbeat
+            if heartbeat_ms > 0:  # 0: off
+                sub.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+                sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+                sub.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
             sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
             monitor = sub.get_monitor_socket(
                 zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)

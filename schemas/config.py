@@ -170,6 +170,15 @@ class HistoryConfig(_Section):
     clock_skew_window_s: float = 30.0
 
 
+class CollectorConfig(_Section):
+    # ZMTP heartbeats on each worker's SUB socket: a PING every interval; no reply within the
+    # timeout closes the connection and ZeroMQ reconnects (the publisher is asked to drop its
+    # end after the same time). Without them a connection whose packets are silently dropped
+    # (no RST: a firewall, a lost route, a dead host) is never noticed. 0 turns them off.
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 4.0
+
+
 class Config(_Section):
     otlp: OtlpConfig = msgspec.field(default_factory=OtlpConfig)
     export: ExportConfig = msgspec.field(default_factory=ExportConfig)
@@ -178,7 +187,12 @@ class Config(_Section):
     privacy: PrivacyConfig = msgspec.field(default_factory=PrivacyConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     history: HistoryConfig = msgspec.field(default_factory=HistoryConfig)
+    collector: CollectorConfig = msgspec.field(default_factory=CollectorConfig)
     attributes: InputNames = msgspec.field(default_factory=InputNames)
+
+
+# ZeroMQ carries the heartbeat TTL in tenths of a second in 16 bits.
+MAX_HEARTBEAT_TIMEOUT_S = 6553.0
 
 
 class ConfigError(ValueError):
@@ -256,5 +270,14 @@ def _check(config: Config, source: str) -> None:
                           "(tail_probe_interval_s = 0 disables probes)")
     if not history.clock_skew_window_s > 0:
         raise ConfigError(f"{source}: history.clock_skew_window_s must be positive")
+    collector = config.collector
+    if not (math.isfinite(collector.heartbeat_interval_s) and 0 <= collector.heartbeat_interval_s <= 3600):
+        raise ConfigError(f"{source}: collector.heartbeat_interval_s must be between 0 (off) and 3600 "
+                          f"seconds, got {collector.heartbeat_interval_s}")
+    if collector.heartbeat_interval_s and not (
+            math.isfinite(collector.heartbeat_timeout_s)
+            and collector.heartbeat_interval_s < collector.heartbeat_timeout_s <= MAX_HEARTBEAT_TIMEOUT_S):
+        raise ConfigError(f"{source}: collector.heartbeat_timeout_s must be longer than heartbeat_interval_s "
+                          f"and at most {MAX_HEARTBEAT_TIMEOUT_S:g} seconds, got {collector.heartbeat_timeout_s}")
     if config.privacy.digest_key and config.privacy.digest_key_env:
         raise ConfigError(f"{source}: privacy: set digest_key or digest_key_env, not both")

@@ -132,7 +132,9 @@ def run(args: argparse.Namespace, stdout: IO[str] | None = None,
 
     facts = FactLog(stderr)
     fleet = Fleet(config.workers, facts)
-    subscriber = Subscriber(fleet, recorder=recorder)
+    subscriber = Subscriber(fleet, recorder=recorder,
+                            heartbeat_interval_s=config.collector.heartbeat_interval_s,
+                            heartbeat_timeout_s=config.collector.heartbeat_timeout_s)
     stop = threading.Event()
     stopped_by: list[str] = []
 

@@ -112,7 +112,9 @@ class Service:
                            config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None,
                                                clock_window_s=history.clock_skew_window_s),
                            max_tail_probes=history.tail_probes_in_flight)
-        self.subscriber = Subscriber(self.fleet, clock=clock)
+        self.subscriber = Subscriber(self.fleet, clock=clock,
+                                     heartbeat_interval_s=config.collector.heartbeat_interval_s,
+                                     heartbeat_timeout_s=config.collector.heartbeat_timeout_s)
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]
         self.journal = SpanJournal(config.export.journal, max_bytes=config.export.journal_max_bytes,

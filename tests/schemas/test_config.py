@@ -156,3 +156,25 @@ def test_ports_are_offset_by_rank_like_the_engines_do():
     spec = WorkerSpec(id="a", endpoint="tcp://h:5557", replay_endpoint="tcp://h:6000", dp_rank=2)
     assert (spec.sub_endpoint(), spec.replay_address()) == ("tcp://h:5559", "tcp://h:6002")
     assert WorkerSpec(id="a", endpoint="tcp://h:5557", dp_rank=2, offset_by_rank=False).sub_endpoint() == "tcp://h:5557"
+
+
+@pytest.mark.parametrize("setting, fragment", [
+    ("heartbeat_interval_s = -1", "collector.heartbeat_interval_s must be between 0 (off) and 3600"),
+    ("heartbeat_interval_s = nan", "collector.heartbeat_interval_s must be between 0 (off) and 3600"),
+    ("heartbeat_interval_s = 2.0\nheartbeat_timeout_s = 2.0",
+     "collector.heartbeat_timeout_s must be longer than heartbeat_interval_s and at most 6553 seconds, got 2.0"),
+    ("heartbeat_timeout_s = 7000", "collector.heartbeat_timeout_s must be longer than heartbeat_interval_s"),
+    ("heartbeat_timeout_s = inf", "collector.heartbeat_timeout_s must be longer than heartbeat_interval_s"),
+    ("heartbeat_timeout_s = '4'", "collector.heartbeat_timeout_s"),
+])
+def test_collector_heartbeats_are_validated_naming_the_key(setting, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"[collector]\n{setting}\n", source="k.toml")
+    assert fragment in str(info.value) and str(info.value).startswith("k.toml")
+
+
+def test_collector_heartbeat_defaults_and_off():
+    collector = parse_config("").collector
+    assert (collector.heartbeat_interval_s, collector.heartbeat_timeout_s) == (1.0, 4.0)
+    # 0 turns them off; the timeout is then not looked at
+    assert parse_config("[collector]\nheartbeat_interval_s = 0\nheartbeat_timeout_s = 0\n").collector.heartbeat_interval_s == 0
