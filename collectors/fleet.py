@@ -10,7 +10,7 @@ from typing import Callable, Container, Iterable
 
 import msgspec
 
-from kvmiss.collectors.continuity import MAX_TAIL_PROBES, RequestReplay, StreamAction, StreamConfig
+from kvmiss.collectors.continuity import MAX_TAIL_PROBES, RequestReplay, StreamAction, StreamConfig, StreamState
 from kvmiss.collectors.frames import parse_live, parse_replay
 from kvmiss.collectors.recording import ReadStats, RecordedMessage, read_recording
 from kvmiss.collectors.stream import WorkerStream
@@ -29,22 +29,52 @@ Sink = Callable[[str, StreamAction], None]
 
 
 class Fleet:
-    """Every configured worker's `WorkerStream`, and where their actions go.
+    """Every member worker's `WorkerStream`, and where their actions go.
 
     ``sink(worker_id, action)`` receives every action except `RequestReplay`, which is
-    returned to the caller (only the I/O layer can carry it out). Not thread-safe.
+    returned to the caller (only the I/O layer can carry it out). Not thread-safe: one
+    owner calls everything, `add` and `remove` included. ``specs`` and ``streams`` are
+    replaced, never changed in place, by `add` / `remove`: another thread may read (iterate)
+    the mapping it took, as the metrics and /readyz do.
     """
 
     def __init__(self, specs: Iterable[WorkerSpec], sink: Sink, *,
                  config: StreamConfig = StreamConfig(), max_tail_probes: int = MAX_TAIL_PROBES):
-        self.specs = {spec.id: spec for spec in specs}
+        self.specs: dict[str, WorkerSpec] = {spec.id: spec for spec in specs}
         self.sink = sink
+        self.config = config
         self.max_tail_probes = max_tail_probes
-        self.streams = {
-            spec.id: WorkerStream(spec.id, replay=spec.replay_endpoint is not None,
-                                  topic_template=spec.topic_template, config=config)
-            for spec in self.specs.values()
-        }
+        # The epoch a stream added from now on starts at: above every epoch a removed stream
+        # reached, so a worker that leaves and comes back under its id is a new epoch to the
+        # index, never a continuation of its old view. One number, whatever the churn.
+        self._epoch_floor = 0
+        self.streams: dict[str, WorkerStream] = {spec.id: self._stream(spec) for spec in self.specs.values()}
+
+    def _stream(self, spec: WorkerSpec) -> WorkerStream:
+        return WorkerStream(spec.id, replay=spec.replay_endpoint is not None,
+                            topic_template=spec.topic_template, config=self.config,
+                            state=StreamState(epoch=self._epoch_floor))
+
+    def add(self, spec: WorkerSpec) -> WorkerStream:
+        """A worker that joined: a new stream, from a new epoch (nothing carried over)."""
+        if spec.id in self.streams:
+            raise ValueError(f"worker {spec.id!r} is already a member")
+        stream = self._stream(spec)
+        self.specs = {**self.specs, spec.id: spec}
+        self.streams = {**self.streams, spec.id: stream}
+        return stream
+
+    def remove(self, worker: str) -> WorkerStream | None:
+        """A worker that departed: its stream is dropped with whatever it held back or was
+        waiting for (a replay, a tail probe); nothing more of it reaches the sink. The I/O
+        layer closes its sockets. None if it was not a member."""
+        stream = self.streams.get(worker)
+        if stream is None:
+            return None
+        self._epoch_floor = max(self._epoch_floor, stream.state.epoch + 1)
+        self.specs = {k: v for k, v in self.specs.items() if k != worker}
+        self.streams = {k: v for k, v in self.streams.items() if k != worker}
+        return stream
 
     def on_message(self, worker: str, socket: str, frames: list[bytes], now: float,
                    request_id: int | None = None) -> list[RequestReplay]:

@@ -16,10 +16,15 @@ waited on with zmq_poll (`_PolledFds`).
 
 Everything the sockets deliver goes to the `Fleet` (state machines) and, if a recorder is
 given, to the recording first. Sink calls happen on this thread.
+
+The fleet may change while it runs: `change_fleet` (any thread) queues a `FleetChange`, and
+the loop carries it out between two polls (within `POLL_INTERVAL_S`): a departed worker's
+sockets are closed and its stream dropped, a joined worker's opened as at start-up.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import select
@@ -34,6 +39,8 @@ from kvmiss.collectors.continuity import RequestReplay
 from kvmiss.collectors.fleet import CONNECTED, DEALER, MONITOR, RECONNECTED, SUB, TICK, UNREAD, Fleet
 from kvmiss.collectors.frames import encode_replay_request
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
+from kvmiss.schemas.config import WorkerSpec
+from kvmiss.schemas.fleet import FleetChange
 
 log = logging.getLogger("kvmiss.collectors")
 
@@ -106,6 +113,12 @@ SOCKETS_PER_WORKER = 8
 # the timeout close it, and ZeroMQ reconnects. The TTL asks the publisher to drop its end as well.
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 4.0
+# The context's socket cap is fixed once its first socket exists: room for this many workers
+# at least, so a fleet that grows at run time (`change_fleet`) does not run out.
+MIN_WORKERS_SIZED = 256
+# A joined worker whose socket could not be opened (a bind port still held) is tried again
+# this often; meanwhile it is listed, and unreachable.
+REOPEN_INTERVAL_S = 1.0
 
 
 class Subscriber:
@@ -130,7 +143,7 @@ class Subscriber:
         if context is None:  # its own context, sized to the fleet (see SOCKETS_PER_WORKER)
             context = zmq.Context()
             context.set(zmq.MAX_SOCKETS, max(context.get(zmq.MAX_SOCKETS),
-                                             SOCKETS_PER_WORKER * len(fleet.specs) + 64))
+                                             SOCKETS_PER_WORKER * max(len(fleet.specs), MIN_WORKERS_SIZED) + 64))
         self._ctx = context
         self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
         self._heartbeat = (round(heartbeat_interval_s * 1000), round(heartbeat_timeout_s * 1000))
@@ -150,6 +163,9 @@ class Subscriber:
         self._dealers: dict[str, zmq.Socket] = {}
         self._connected_once: set[str] = set()
         self._disconnected: set[str] = set()
+        self._changes: collections.deque[FleetChange] = collections.deque()  # from any thread
+        self.unopened: dict[str, str] = {}  # joined workers whose sockets failed to open: why
+        self._last_reopen = float("-inf")
         self.ready = threading.Event()  # set once every socket is connected or bound
         self.error: Exception | None = None  # why the sockets could not be opened
         self.failed: Exception | None = None  # why the running loop stopped, if it did
@@ -207,27 +223,97 @@ class Subscriber:
 
     def _open(self) -> None:
         self._epoll = _fd_poller()
-        ivl, ivl_max = self._reconnect
         for spec in self.fleet.specs.values():
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
-            sub.setsockopt(zmq.RECONNECT_IVL, ivl)
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, ivl_max)
-            sub.setsockopt(zmq.LINGER, 0)
-            heartbeat_ms, timeout_ms = self._heartbeat
-            if heartbeat_ms > 0:  # 0: off
-                sub.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
-                sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-                sub.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
-            sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-            monitor = sub.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-            self._register(sub, SUB, spec.id)  # first, so a failed connect still closes them
-            self._register(monitor, MONITOR, spec.id)
-            if spec.bind:
-                sub.bind(spec.sub_endpoint())
+            self._open_worker(spec)
+
+    def _open_worker(self, spec: WorkerSpec) -> None:
+        ivl, ivl_max = self._reconnect
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
+        sub.setsockopt(zmq.RECONNECT_IVL, ivl)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, ivl_max)
+        sub.setsockopt(zmq.LINGER, 0)
+        heartbeat_ms, timeout_ms = self._heartbeat
+        if heartbeat_ms > 0:  # 0: off
+            sub.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            sub.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
+        sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._register(sub, SUB, spec.id)  # first, so a failed connect still closes them
+        self._register(monitor, MONITOR, spec.id)
+        if spec.bind:
+            sub.bind(spec.sub_endpoint())
+        else:
+            sub.connect(spec.sub_endpoint())
+
+    def _close_worker(self, worker: str) -> None:
+        """Every socket of ``worker`` (SUB, monitor, a replay or probe DEALER), closed."""
+        socks = [sock for sock, (_, owner, _) in self._roles.items() if owner == worker]
+        for sock in socks:
+            if self._roles[sock][0] == SUB:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+        for sock in socks:
+            self._unregister(sock)
+        self._dealers.pop(worker, None)
+        self._connected_once.discard(worker)
+        self._disconnected.discard(worker)
+
+    # --- the fleet changing ----------------------------------------------------------------
+
+    def change_fleet(self, change: FleetChange) -> None:
+        """Any thread: carry ``change`` out on the loop's thread before its next poll."""
+        self._changes.append(change)
+
+    def connection(self, worker: str) -> str:
+        """Any thread (a scrape): "connected", "disconnected" (since its last connection),
+        "never" (no connection yet) or "unopened" (its socket could not be opened)."""
+        if worker in self.unopened:
+            return "unopened"
+        if worker not in self._connected_once:
+            return "never"
+        return "disconnected" if worker in self._disconnected else "connected"
+
+    def _apply_changes(self) -> None:
+        while self._changes:
+            change = self._changes.popleft()
+            for worker in change.departed:
+                self._close_worker(worker)
+                self.unopened.pop(worker, None)
+                self.fleet.remove(worker)
+            for spec in change.joined:
+                if spec.id in self.fleet.streams:  # listed twice: the newer spec replaces it
+                    self._close_worker(spec.id)
+                    self.fleet.remove(spec.id)
+                self.fleet.add(spec)
+                self._try_open(spec)
+        self._due = self.fleet.next_deadline()
+
+    def _try_open(self, spec: WorkerSpec) -> None:
+        try:
+            self._open_worker(spec)
+        except (zmq.ZMQError, ValueError) as exc:
+            self._close_worker(spec.id)
+            if spec.id not in self.unopened:
+                log.error("worker %s: cannot open its socket (%s); listed and unreachable, tried again every %g s",
+                          spec.id, exc, REOPEN_INTERVAL_S)
+            self.unopened[spec.id] = str(exc)
+        else:
+            if self.unopened.pop(spec.id, None) is not None:
+                log.info("worker %s: socket opened", spec.id)
+
+    def _reopen(self, now: float) -> None:
+        self._last_reopen = now
+        for worker in list(self.unopened):
+            spec = self.fleet.specs.get(worker)
+            if spec is None:
+                del self.unopened[worker]
             else:
-                sub.connect(spec.sub_endpoint())
+                self._try_open(spec)
 
     def _register(self, sock: zmq.Socket, role: str, worker: str, request_id: int | None = None) -> None:
         fd = sock.getsockopt(zmq.FD)
@@ -266,6 +352,8 @@ class Subscriber:
     # --- the loop --------------------------------------------------------------------------
 
     def _poll_once(self) -> None:
+        if self._changes:
+            self._apply_changes()
         # After a wait that found messages the next one waits out the gap (see MIN_POLL_GAP_S),
         # so they are read in batches (ZeroMQ holds them): one wake-up and one receive call
         # per socket for many messages, not one per message.
@@ -303,6 +391,8 @@ class Subscriber:
         if (self._due is None or self._due > now) and now - self._last_round < POLL_INTERVAL_S:
             return
         self._last_round = now
+        if self.unopened and now - self._last_reopen >= REOPEN_INTERVAL_S:
+            self._reopen(now)
         unread = self._unread_workers()
         if self.recorder is not None:  # playback must run each timer at this same point
             for worker, stream in self.fleet.streams.items():

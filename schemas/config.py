@@ -70,7 +70,8 @@ def offset_endpoint(endpoint: str, dp_rank: int) -> str:
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 
 
-MAX_CONNECTIONS_LIMIT = 1_000_000  # above any file-descriptor limit; grpc takes a C int
+MAX_CONNECTIONS_LIMIT = 1_000_000
+MAX_FLEET_POLL_INTERVAL_S = 60.0  # above any file-descriptor limit; grpc takes a C int
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -179,6 +180,19 @@ class CollectorConfig(_Section):
     heartbeat_timeout_s: float = 4.0
 
 
+class FleetConfig(_Section):
+    """Membership that changes while kvmiss runs (docs/FLEET.md). The static ``[[workers]]``
+    are always members; a source adds its own workers, and no id may be listed twice."""
+
+    # A TOML file of ``[[workers]]`` tables in the main config's form, re-read whenever it
+    # changes (writers replace it by rename: a ConfigMap, a sidecar, a deploy tool).
+    file: str | None = None
+    poll_interval_s: float = 0.25  # how often sources are checked; a change applies within it
+    # Bound on how far apart two replicas' observations of one change may be (each polls on
+    # its own): the proof rules treat a lookup this close to a join or departure as uncertain.
+    membership_uncertainty_s: float = 2.0
+
+
 class Config(_Section):
     otlp: OtlpConfig = msgspec.field(default_factory=OtlpConfig)
     export: ExportConfig = msgspec.field(default_factory=ExportConfig)
@@ -189,6 +203,13 @@ class Config(_Section):
     history: HistoryConfig = msgspec.field(default_factory=HistoryConfig)
     collector: CollectorConfig = msgspec.field(default_factory=CollectorConfig)
     attributes: InputNames = msgspec.field(default_factory=InputNames)
+    fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
+
+
+class FleetFile(_Section):
+    """A ``[fleet] file``: ``[[workers]]`` tables, nothing else."""
+
+    workers: list[WorkerSpec] | None = None  # None: the key is missing (an empty file)
 
 
 # ZeroMQ carries the heartbeat TTL in tenths of a second in 16 bits.
@@ -196,7 +217,13 @@ MAX_HEARTBEAT_TIMEOUT_S = 6553.0
 
 
 class ConfigError(ValueError):
-    """The configuration cannot be used; the message names the key."""
+    """The configuration cannot be used; the message names the key. ``reason`` classifies it
+    for a fleet file's refusal metric: not_toml, invalid, duplicate_id, duplicate_endpoint,
+    empty, unreadable."""
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _path_text(msg: str) -> str:
@@ -204,21 +231,36 @@ def _path_text(msg: str) -> str:
     return msg.replace("`$.", "`").replace("- at ", "at ")
 
 
-def parse_config(text: str, *, source: str = "<config>") -> Config:
+def _decode(text: str, kind: type, source: str):
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        raise ConfigError(f"{source}: not valid TOML: {exc}", "not_toml") from None
     except RecursionError:  # tomllib recurses into inline arrays and tables
-        raise ConfigError(f"{source}: not valid TOML: nested too deeply") from None
+        raise ConfigError(f"{source}: not valid TOML: nested too deeply", "not_toml") from None
     try:
-        config = msgspec.convert(raw, Config)
+        return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_path_text(str(exc))}") from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply") from None
+
+
+def parse_config(text: str, *, source: str = "<config>") -> Config:
+    config = _decode(text, Config, source)
     _check(config, source)
     return config
+
+
+def parse_fleet_file(text: str, *, source: str = "<fleet file>") -> list[WorkerSpec]:
+    """The workers of a ``[fleet] file``, under the same rules as the main config's
+    ``[[workers]]``. A file without a ``workers`` key (empty: a writer that truncated it in
+    place) is refused; ``workers = []`` is a fleet of none."""
+    fleet = _decode(text, FleetFile, source)
+    if fleet.workers is None:
+        raise ConfigError(f"{source}: no workers key (write `workers = []` for an empty fleet)", "empty")
+    check_workers(fleet.workers, source)
+    return fleet.workers
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -230,14 +272,22 @@ def load_config(path: str | os.PathLike) -> Config:
     return parse_config(text, source=str(path))
 
 
-def _check(config: Config, source: str) -> None:
-    ids = [w.id for w in config.workers]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicates:
-        raise ConfigError(f"{source}: workers: duplicate id {duplicates[0]!r}")
-    addresses = [(w.sub_endpoint(), w.topic) for w in config.workers]
+def check_workers(workers: list[WorkerSpec], source: str) -> None:
+    """The rules a list of workers keeps, wherever it comes from: unique ids, and no two
+    workers on the same endpoint, rank and topic."""
+    seen: set[str] = set()
+    for worker in workers:
+        if worker.id in seen:
+            raise ConfigError(f"{source}: workers: duplicate id {worker.id!r}", "duplicate_id")
+        seen.add(worker.id)
+    addresses = [(w.sub_endpoint(), w.topic) for w in workers]
     if len(set(addresses)) != len(addresses):
-        raise ConfigError(f"{source}: workers: two workers subscribe to the same endpoint and rank")
+        raise ConfigError(f"{source}: workers: two workers subscribe to the same endpoint and rank",
+                          "duplicate_endpoint")
+
+
+def _check(config: Config, source: str) -> None:
+    check_workers(config.workers, source)
     for name, value in (("otlp.max_body_bytes", config.otlp.max_body_bytes),
                         ("otlp.max_pending_spans", config.otlp.max_pending_spans),
                         ("export.timeout_s", config.export.timeout_s)):
@@ -281,3 +331,13 @@ def _check(config: Config, source: str) -> None:
                           f"and at most {MAX_HEARTBEAT_TIMEOUT_S:g} seconds, got {collector.heartbeat_timeout_s}")
     if config.privacy.digest_key and config.privacy.digest_key_env:
         raise ConfigError(f"{source}: privacy: set digest_key or digest_key_env, not both")
+    fleet = config.fleet
+    if fleet.file is not None and not fleet.file.strip():
+        raise ConfigError(f"{source}: fleet.file must be a path (omit it for no watched file)")
+    if not (math.isfinite(fleet.poll_interval_s) and 0 < fleet.poll_interval_s <= MAX_FLEET_POLL_INTERVAL_S):
+        raise ConfigError(f"{source}: fleet.poll_interval_s must be > 0 and <= {MAX_FLEET_POLL_INTERVAL_S:g} "
+                          f"seconds (a change applies within it), got {fleet.poll_interval_s}")
+    if not (math.isfinite(fleet.membership_uncertainty_s) and fleet.membership_uncertainty_s >= fleet.poll_interval_s):
+        raise ConfigError(f"{source}: fleet.membership_uncertainty_s must be a finite number of seconds >= "
+                          f"fleet.poll_interval_s ({fleet.poll_interval_s:g}: one replica may see a change a "
+                          f"whole poll later than another), got {fleet.membership_uncertainty_s}")
