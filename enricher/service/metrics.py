@@ -20,10 +20,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
+from kvmiss.collectors.membership import RefusalReason
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.service.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
 from kvmiss.enricher.service.request_records import RequestRecords
+from kvmiss.enricher.service.fleet_watch import FleetStats
 from kvmiss.schemas.attribution import LABEL_OWNER, ClockOffset, Label
+from kvmiss.schemas.fleet import MemberState
 
 UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
 NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
@@ -52,6 +55,7 @@ class KvmissCollector(Collector):
         endpoint: Callable[[], Mapping[str, int]] = dict,
         index_feed: Callable[[], tuple[int, int]] = lambda: (0, 0),
         records: RequestRecords | None = None,
+        fleet: tuple[FleetStats, Callable[[], Mapping[MemberState, int]]] | None = None,
     ):
         self.stats = stats
         self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
@@ -61,6 +65,7 @@ class KvmissCollector(Collector):
         self.endpoint = endpoint  # the metrics listener's own counters (listener.HttpListener)
         self.index_feed = index_feed  # (batches applied to the index, batches waiting to be)
         self.records = records  # the request-records file writer, when [export] request_records is set
+        self.fleet = fleet  # membership counters, and the members by state (Service.member_states)
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
 
@@ -75,6 +80,34 @@ class KvmissCollector(Collector):
         yield from self._exports()
         yield from self._records()
         yield from self._endpoint()
+        yield from self._fleet()
+
+    def _fleet(self) -> Iterator[Metric]:
+        """Membership ([fleet]): who is followed, and how changes went."""
+        if self.fleet is None:
+            return
+        stats, states = self.fleet
+        workers = GaugeMetricFamily(
+            "kvmiss_fleet_workers", "Workers by membership state: following (connected and applied, or idle), "
+            "joining (connecting, or replaying its history), unreachable (listed, not connected: an unresolved "
+            "holder), departed (left the fleet, kept for lookups before it left until retention).", labels=["state"])
+        counts = states()
+        for state in MemberState:
+            workers.add_metric([state.value], counts.get(state, 0))
+        joins = CounterMetricFamily("kvmiss_fleet_joins", "Workers that joined the fleet at run time (membership sources).")
+        joins.add_metric([], stats.joins)
+        departures = CounterMetricFamily("kvmiss_fleet_departures", "Workers that departed the fleet at run time.")
+        departures.add_metric([], stats.departures)
+        refused = CounterMetricFamily(
+            "kvmiss_fleet_updates_refused", "Membership updates refused, the last good fleet kept, by source and reason: "
+            + ", ".join(r.value for r in RefusalReason) + ".", labels=["source", "reason"])
+        for (source, reason), n in sorted(stats.refused.items()):
+            refused.add_metric([source, reason], n)
+        h = stats.first_batch
+        first = HistogramMetricFamily("kvmiss_fleet_first_batch_seconds",
+                                      "Seconds from a worker's join being seen to its first batch applied.")
+        first.add_metric([], h.cumulative(), h.sum)
+        yield from (workers, joins, departures, refused, first)
 
     def _records(self) -> Iterator[Metric]:
         """The request-records file ([export] request_records): what was written, and what

@@ -19,9 +19,10 @@ from typing import Callable
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client import CollectorRegistry
 
-from kvmiss.collectors.continuity import StreamAction, StreamConfig
+from kvmiss.collectors.continuity import Apply, Cursor, StreamAction, StreamConfig
 from kvmiss.collectors.fleet import Fleet
 from kvmiss.collectors.frames import READER_COMPILED
+from kvmiss.collectors.membership import FleetMembers, build_sources
 from kvmiss.collectors.subscriber import Subscriber
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError
@@ -32,6 +33,7 @@ from kvmiss.enricher.otlp.interfaces import ConsumeResult, EncodedRequest, OtlpR
 from kvmiss.enricher.otlp.journal import SpanJournal
 from kvmiss.enricher.otlp.receiver import Receivers
 from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
+from kvmiss.enricher.service.fleet_watch import FleetStats, FleetWatch
 from kvmiss.enricher.service.handoff import IndexFeed
 from kvmiss.enricher.service.health_endpoint import HealthEndpoint
 from kvmiss.enricher.service.metrics import KvmissCollector
@@ -39,6 +41,7 @@ from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.enricher.service.request_records import RequestRecords
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
 from kvmiss.schemas.config import Config
+from kvmiss.schemas.fleet import FleetChange, MemberState
 
 log = logging.getLogger("kvmiss.serve")
 
@@ -49,6 +52,9 @@ DRAIN_BUDGET_S = 0.02
 # ZeroMQ's buffers fill and what a publisher then drops is a gap replay recovers.
 MAX_UNDRAINED_BATCHES = 100_000
 READY_GRACE_S = 30.0  # a stream recovering (replay) or verifying longer than this is not ready
+# A member that has not connected this long after it joined (or start-up) shows as unreachable
+# in kvmiss_fleet_workers, not joining.
+JOIN_GRACE_S = 5.0
 
 
 class FanOut:
@@ -115,6 +121,18 @@ class Service:
         self.subscriber = Subscriber(self.fleet, clock=clock,
                                      heartbeat_interval_s=config.collector.heartbeat_interval_s,
                                      heartbeat_timeout_s=config.collector.heartbeat_timeout_s)
+        # Membership that changes at run time ([fleet]): sources polled on the loop, their
+        # changes applied by `apply_fleet_change`.
+        self.fleet_stats = FleetStats()
+        self.fleet_watch = FleetWatch(build_sources(config.fleet), FleetMembers(config.workers),
+                                      self.apply_fleet_change, interval_s=config.fleet.poll_interval_s,
+                                      clock=clock, stats=self.fleet_stats)
+        started = clock()
+        self._member_since: dict[str, float] = {w.id: started for w in config.workers}  # loop thread
+        self._departed: dict[str, float] = {}  # departed worker -> when, until retention passes
+        # Joined worker -> when its change was seen, until its first batch is applied (popped
+        # on the collector thread: `_on_stream_action`).
+        self._awaiting_first: dict[str, float] = {}
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]
         self.journal = SpanJournal(config.export.journal, max_bytes=config.export.journal_max_bytes,
@@ -150,7 +168,8 @@ class Service:
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
             exports=lambda: self.queues, clock_bounds=self.clock_bounds, records=self.request_records,
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
-            endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed))))
+            endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed)),
+            fleet=(self.fleet_stats, self.member_states)))
         self._ticker: asyncio.Task | None = None
         self._stopping = False
 
@@ -176,6 +195,10 @@ class Service:
     def _on_stream_action(self, worker: str, action: StreamAction) -> None:
         """Collector thread: batches and tail confirmations go to the loop (their ``at`` is
         this service's clock, the subscriber's); other stream facts are logged once each."""
+        if self._awaiting_first and action.__class__ is Apply and worker in self._awaiting_first:
+            since = self._awaiting_first.pop(worker, None)
+            if since is not None:
+                self.fleet_stats.first_batch.observe(max(0.0, self.clock() - since))
         if not self.feed.put(worker, action):
             log.info("worker %s: %s", worker, _describe(action))
         while len(self.feed) > MAX_UNDRAINED_BATCHES and not self._stopping:
@@ -232,6 +255,71 @@ class Service:
         if self.request_records is not None:
             self.request_records.put(facts, trace_id)
 
+    # --- a fleet that changes ---------------------------------------------------------------
+
+    def apply_fleet_change(self, change: FleetChange) -> None:
+        """Loop thread: a membership change, to the index (who may have held a block when)
+        and then to the collector (whose sockets to open and close). Logged once, ids only."""
+        if change.empty:
+            return
+        log.info("fleet %s: %d joined %s, %d departed %s", change.source, len(change.joined),
+                 [spec.id for spec in change.joined], len(change.departed), list(change.departed))
+        self._index_fleet_change(change)
+        now = self.clock()
+        for worker in change.departed:
+            self._departed[worker] = change.at
+            self._member_since.pop(worker, None)
+            self._awaiting_first.pop(worker, None)
+            self._unsettled.pop(worker, None)
+        for spec in change.joined:
+            self._departed.pop(spec.id, None)
+            self._member_since[spec.id] = now
+            self._awaiting_first[spec.id] = change.at
+            if spec.pool_blocks > 1:
+                self.pipeline.pool_blocks[spec.id] = spec.pool_blocks
+        self.fleet_stats.joins += len(change.joined)
+        self.fleet_stats.departures += len(change.departed)
+        self.subscriber.change_fleet(change)
+        self._forget_departed(now)
+
+    def _index_fleet_change(self, change: FleetChange) -> None:
+        # Until the index takes membership changes itself, a joined worker is tracked and a
+        # departed one stays a candidate holder (its verdicts honest unknowns, never guesses).
+        self.index.tracked.update(spec.id for spec in change.joined)
+
+    def _forget_departed(self, now: float) -> None:
+        """Departed workers are shown (and their last clock kept for lookups before they
+        left) for the index's retention; then forgotten, so churn does not grow memory."""
+        horizon = now - self.config.history.retention_s
+        for worker in [w for w, at in self._departed.items() if at < horizon]:
+            del self._departed[worker]
+            if worker not in self.fleet.streams:
+                self._clocks.pop(worker, None)
+                self._skewed.discard(worker)
+                if self._round_clocks.pop(worker, None) is not None:
+                    self.attributor.clocks_changed()
+
+    def member_states(self) -> dict[MemberState, int]:
+        """`kvmiss_fleet_workers{state}` at scrape time: each member following (connected:
+        applied, or idle with nothing to apply), joining (connecting, or replaying its history
+        before its first batch), unreachable (not connected within `JOIN_GRACE_S` of joining,
+        disconnected, or its socket could not be opened); and departed within retention."""
+        now = self.clock()
+        self._forget_departed(now)
+        counts = dict.fromkeys(MemberState, 0)
+        for worker, stream in self.fleet.streams.items():
+            connection = self.subscriber.connection(worker)
+            if connection == "connected":
+                first = stream.health.batches_applied == 0 and stream.cursor in (Cursor.RECOVERING, Cursor.VERIFYING)
+                state = MemberState.JOINING if first else MemberState.FOLLOWING
+            elif connection == "never" and now - self._member_since.get(worker, now) < JOIN_GRACE_S:
+                state = MemberState.JOINING
+            else:
+                state = MemberState.UNREACHABLE
+            counts[state] += 1
+        counts[MemberState.DEPARTED] = len(self._departed)
+        return counts
+
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -239,7 +327,9 @@ class Service:
             self.request_records.start()
         for queue in self.queues:
             await queue.start()
+        await self.fleet_watch.poll_once()  # the sources' fleet from the first socket on
         self.subscriber.start()
+        self.fleet_watch.start()
         self._ticker = asyncio.get_running_loop().create_task(self._tick_forever(), name="kvmiss-tick")
         if self.journal is not None:
             self.pipeline.stats.journal = self.journal
@@ -251,7 +341,7 @@ class Service:
         if self.config.metrics.listen:
             await self.health.start(self.config.metrics.listen)
         log.info("kvmiss serving: %d workers, OTLP grpc=%s http=%s, metrics=%s",
-                 len(self.config.workers), self.receivers.grpc_port, self.receivers.http_port,
+                 len(self.fleet.specs), self.receivers.grpc_port, self.receivers.http_port,
                  self.metrics_port)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -261,6 +351,7 @@ class Service:
             return
         self._stopping = True
         await self.receivers.shutdown(grace=min(5.0, timeout))
+        await self.fleet_watch.shutdown()
         if self._ticker is not None:
             self._ticker.cancel()
         self.drain(None)
@@ -353,7 +444,10 @@ class Service:
         if not self.subscriber.alive:  # no event is applied any more: every answer would age
             states["collector"] = "stopped"
             healthy = False
-        for worker, stream in self.fleet.streams.items():
+        streams = self.fleet.streams  # replaced, never changed in place, by a fleet change
+        for worker in [w for w in self._unsettled if w not in streams]:
+            del self._unsettled[worker]  # departed: its state is nobody's readiness
+        for worker, stream in streams.items():
             state = "quarantined" if stream.quarantined else stream.cursor.name.lower()
             states[worker] = state
             if state in ("recovering", "verifying"):
