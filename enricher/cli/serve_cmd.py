@@ -159,6 +159,9 @@ def _check(config) -> int:
     if records and not os.path.isdir(os.path.dirname(records) or "."):
         print(f"kvmiss serve: export.request_records: {os.path.dirname(records)} is not a directory", file=sys.stderr)
         return 2
+    fleet = _resolved_fleet(config)
+    if fleet is None:
+        return 2
     lines = [
         f"otlp: grpc {config.otlp.grpc}, http {config.otlp.http}",
         f"export: {export}",
@@ -172,6 +175,7 @@ def _check(config) -> int:
         f"privacy: {key}",
         f"workers: {len(config.workers)}",
         *(f"  {w.id}: {w.sub_endpoint()} (replay {w.replay_address() or 'none'})" for w in config.workers),
+        *fleet,
         f"protobuf backend: {api_implementation.Type()}",
         f"residency table: {'compiled' if ACCELERATED else 'pure-Python reference model (slow)'}",
         f"OTLP wire path: {'compiled' if WIRE_SCAN else 'parsed messages only (slower)'}",
@@ -180,6 +184,32 @@ def _check(config) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+def _resolved_fleet(config) -> list[str] | None:
+    """``--check``: each membership source's fleet as it resolves now, checked against the
+    static workers as a running service would; None (printed) when one would be refused. A
+    watched file that is not there yet is fine: it is followed once it appears."""
+    from kvmiss.collectors.membership import Desired, FleetMembers, RefusalReason, build_sources
+
+    members, lines = FleetMembers(config.workers), []
+    lines.append(f"fleet: poll every {config.fleet.poll_interval_s:g} s, "
+                 f"membership uncertainty {config.fleet.membership_uncertainty_s:g} s")
+    for source in build_sources(config.fleet):
+        answer = asyncio.run(source.poll())
+        if isinstance(answer, Desired):
+            answer = members.propose(source.name, answer, 0.0)
+        if not hasattr(answer, "reason"):
+            specs = members.by_source.get(source.name, {}).values()
+            lines.append(f"fleet {source.name} {source.where}: {len(specs)} workers")
+            lines += [f"  {w.id}: {w.sub_endpoint()} (replay {w.replay_address() or 'none'})" for w in specs]
+        elif answer.reason is RefusalReason.MISSING:
+            lines.append(f"fleet {source.name} {source.where}: not there yet (followed once it appears)")
+        else:
+            print(f"kvmiss serve: fleet {source.name}: would be refused ({answer.reason.value}): {answer.detail}",
+                  file=sys.stderr)
+            return None
+    return lines
 
 
 # The cyclic collector's thresholds for the serve process. Nearly every object kvmiss makes per

@@ -151,3 +151,27 @@ def test_process_config_moves_every_port_and_file_but_port_0():
     assert process_config(config, 0) is config
     off = parse_config('[otlp]\ngrpc = ""\nhttp = "127.0.0.1:4318"\n')
     assert process_config(off, 1).otlp.grpc == ""  # a receiver that is off stays off
+
+
+def test_check_prints_the_fleet_each_source_resolves_and_refuses_what_serve_would(tmp_path):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "fleet.toml"
+    static = '[[workers]]\nid = "w0"\nendpoint = "tcp://10.0.0.7:5557"\n'
+    done = _check(f'[fleet]\nfile = "{example}"\n' + static, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"fleet file {example}: 2 workers" in done.stdout
+    assert "decode-a: tcp://10.0.3.11:5557 (replay tcp://10.0.3.11:5558)" in done.stdout
+    assert "decode-b: tcp://10.0.3.12:5557" in done.stdout and "w0: tcp://10.0.0.7:5557" in done.stdout
+
+    not_yet = _check(f'[fleet]\nfile = "{tmp_path / "later.toml"}"\n', tmp_path)
+    assert not_yet.returncode == 0 and "not there yet" in not_yet.stdout
+
+    clash = tmp_path / "clash.toml"
+    clash.write_text('[[workers]]\nid = "w0"\nendpoint = "tcp://10.0.0.8:5557"\n')
+    refused = _check(f'[fleet]\nfile = "{clash}"\n' + static, tmp_path)
+    assert refused.returncode == 2 and "id_clash" in refused.stderr and "'w0'" in refused.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[workers]]\nid = "x"\nendpoint = "tcp://10.0.0.8:5557"\ndp_rank = "one"\n')
+    refused = _check(f'[fleet]\nfile = "{bad}"\n', tmp_path)
+    assert refused.returncode == 2 and "workers[0].dp_rank" in refused.stderr
