@@ -97,9 +97,12 @@ class Service:
         self.config = config
         self.clock = clock
         history = config.history
+        sources = build_sources(config.fleet)  # membership that may change at run time ([fleet])
         self.index = ResidencyIndex([w.id for w in config.workers],
                                     retention_s=history.retention_s,
-                                    tail_margin_s=history.clock_skew_s + history.publish_delay_s)
+                                    tail_margin_s=history.clock_skew_s + history.publish_delay_s,
+                                    membership_uncertainty_s=config.fleet.membership_uncertainty_s,
+                                    dynamic_membership=bool(sources))
         self.digest_key = self._digest_key()
         # The bound each worker's receive lag must keep for its timing to be trusted (see
         # `ClockOffset`): -skew .. skew + publish delay.
@@ -124,7 +127,7 @@ class Service:
         # Membership that changes at run time ([fleet]): sources polled on the loop, their
         # changes applied by `apply_fleet_change`.
         self.fleet_stats = FleetStats()
-        self.fleet_watch = FleetWatch(build_sources(config.fleet), FleetMembers(config.workers),
+        self.fleet_watch = FleetWatch(sources, FleetMembers(config.workers),
                                       self.apply_fleet_change, interval_s=config.fleet.poll_interval_s,
                                       clock=clock, stats=self.fleet_stats)
         started = clock()
@@ -259,12 +262,15 @@ class Service:
 
     def apply_fleet_change(self, change: FleetChange) -> None:
         """Loop thread: a membership change, to the index (who may have held a block when)
-        and then to the collector (whose sockets to open and close). Logged once, ids only."""
+        and then to the collector (whose sockets to open and close). Logged once, ids only.
+
+        The collector numbers a returning id's new stream past every epoch its old stream
+        reached (`Fleet.remove`), so the index's views of it never continue across the gap."""
         if change.empty:
             return
         log.info("fleet %s: %d joined %s, %d departed %s", change.source, len(change.joined),
                  [spec.id for spec in change.joined], len(change.departed), list(change.departed))
-        self._index_fleet_change(change)
+        self.index.apply_fleet_change(change)
         now = self.clock()
         for worker in change.departed:
             self._departed[worker] = change.at
@@ -281,11 +287,6 @@ class Service:
         self.fleet_stats.departures += len(change.departed)
         self.subscriber.change_fleet(change)
         self._forget_departed(now)
-
-    def _index_fleet_change(self, change: FleetChange) -> None:
-        # Until the index takes membership changes itself, a joined worker is tracked and a
-        # departed one stays a candidate holder (its verdicts honest unknowns, never guesses).
-        self.index.tracked.update(spec.id for spec in change.joined)
 
     def _forget_departed(self, now: float) -> None:
         """Departed workers are shown (and their last clock kept for lookups before they
