@@ -19,11 +19,12 @@ from kvmiss.schemas.prompt import ExtraKeysSpec
 
 
 class Label(str, enum.Enum):
-    """The nine answers. `unknown_*` are first-class: counted and budgeted like the rest."""
+    """The ten answers. `unknown_*` are first-class: counted and budgeted like the rest."""
 
     HIT = "hit"
     LOOKUP_LIMIT = "lookup_limit"
     TRANSFER_FAILURE = "transfer_failure"
+    WINDOW_LIMIT = "window_limit"
     ROUTING_MISS = "routing_miss"
     RESIDENT_MISS = "resident_miss"
     EVICTED = "evicted"
@@ -44,6 +45,7 @@ LABEL_OWNER: dict[Label, Owner] = {
     Label.HIT: Owner.NONE,
     Label.LOOKUP_LIMIT: Owner.NONE,
     Label.TRANSFER_FAILURE: Owner.PLATFORM,
+    Label.WINDOW_LIMIT: Owner.NONE,
     Label.ROUTING_MISS: Owner.ROUTING,
     Label.RESIDENT_MISS: Owner.PLATFORM,
     Label.EVICTED: Owner.PLATFORM,
@@ -149,6 +151,37 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     output_tokens: int | None = None
 
 
+# KV-cache group kinds (vLLM's `kv_cache_spec_kind`) whose hit rule kvmiss models: the
+# leading run of full attention, and the sliding window's right-to-left search for
+# cdiv(W - 1, B) contiguous blocks. Any other kind (mamba, chunked_local_attention, a kind
+# this release does not know) is judged `unknown_history` naming it (ATTRIBUTION.md rule 8).
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+
+
+class KVCacheGroup(msgspec.Struct, frozen=True):
+    """One KV-cache group of a worker epoch, as its events describe it: the group index,
+    the spec kind (None: the engine did not say, as before vLLM 0.22), the sliding window in
+    tokens (window kinds) and the group's block size (0: not seen yet)."""
+
+    idx: int
+    kind: str | None = None
+    window_tokens: int | None = None
+    block_size: int = 0
+
+    @property
+    def full_attention(self) -> bool:
+        return self.kind in FULL_ATTENTION_KINDS
+
+    @property
+    def window_blocks(self) -> int | None:
+        """Contiguous blocks a hit needs in a window group: cdiv(W - 1, B) (the token at the
+        hit position is itself inside the window); None when not a modelled window group."""
+        if self.kind not in WINDOW_KINDS or not self.window_tokens or self.block_size <= 0:
+            return None
+        return max(0, -(-(self.window_tokens - 1) // self.block_size))
+
+
 class TierHolding(msgspec.Struct, frozen=True):
     """H held on an offload tier of the chosen worker at t, with continuous history."""
 
@@ -239,6 +272,18 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # band of their join or departure, or a hold before they joined) and that held or may
     # have held H: neither holders nor ruled out (docs/HISTORY.md, "Fleets that change").
     unsettled_members: tuple[str, ...] = ()
+    # KV-cache groups (a hybrid model: several groups, or one that is not full attention).
+    # ``group``: the group the facts above were read in -- the one that limited the hit
+    # (None: one full-attention group, nothing to choose). ``window_limit``: that group is
+    # a sliding-window group, every block of the window it needed at the longest hit the
+    # full-attention group allowed was never stored in it (continuous history), and the
+    # full-attention group held the first missed block at t. ``unmodelled``: why the hit
+    # rule cannot be reproduced (a group kind kvmiss does not model, block sizes it does
+    # not, a model with no full-attention group): a short fixed phrase naming the kind.
+    group: int | None = None
+    window_group: bool = False  # ``group`` is a sliding-window group (not full attention)
+    window_limit: bool = False
+    unmodelled: str | None = None
 
 
 class DivergenceKind(str, enum.Enum):

@@ -39,6 +39,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from typing import Callable, Collection, Iterable, NamedTuple
 
+from kvmiss.enricher.core.group_evidence import limiting_group_evidence
 from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
 from kvmiss.enricher.core.membership import INF, Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
@@ -414,6 +415,11 @@ def gather(
     gap = _gap_of(run)
     if key is None:
         return Evidence(history=History.CONTINUOUS, **base)
+    if view.hybrid:  # several KV-cache groups: the one that limited the hit decides
+        found = limiting_group_evidence(view, facts, step_seq, run, base, gap)
+        if found is not None:
+            return found
+        base["group"] = view.primary_group
     node = view.interval_as_of(key, GPU, step_seq)
     if node is not None:
         if node.stored_seq is None or node.stored_seq < run.start_seq:

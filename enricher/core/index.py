@@ -16,11 +16,13 @@ never carried across). Inside a view:
     sends nothing, so this is how its history reaches a lookup after its last batch.
   * ``runs``: stretches of continuous history (see `schemas.stream.RunStart`).
   * ``clears``: observed AllBlocksCleared (seq, ts): known-empty points.
-  * ``media``: medium -> `BlockTable` (enricher/core/residency_table.py): the *latest*
-    residency interval of each block on that medium, older ones chained behind it, and a
-    retention queue of closed ones. Copies are reference-counted per (medium, group): tiers
+  * ``tiers``: `Tier` (medium, KV-cache group) -> `BlockTable` (enricher/core/residency_table.py):
+    the *latest* residency interval of each block there, older ones chained behind it, and
+    a retention queue of closed ones. Copies are reference-counted per tier: offload tiers
     and the lookup-limit recompute store one hash twice, and one `BlockRemoved` does not
     mean the hash left. Compiled, 20-30 bytes per block; queries read `Interval` views.
+    ``media`` is the primary group's tables per medium (the full-attention group once a
+    store named one); ``groups`` each group's `KVCacheGroup`, learned from its first store.
   * ``pruned``: a no-false-negative filter of blocks whose records retention dropped, so a
     query that would need one answers "aged out" instead of guessing.
 
@@ -39,6 +41,7 @@ from kvmiss.enricher.core.membership import Joined, Membership
 from kvmiss.enricher.core.residency_table import (
     SEQ_SPAN, Applier, BlockTable, bisect_left, bloom_add, warn_if_not_accelerated,
 )
+from kvmiss.schemas.attribution import KVCacheGroup
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.fleet import FleetChange
 from kvmiss.schemas.stream import AppliedBatch, RunStart
@@ -68,6 +71,14 @@ def canonical_medium(raw: str | None) -> str:
         return found
     upper = raw.upper()  # type: ignore[union-attr]
     return _MEDIUM_ALIASES.get(upper, upper)
+
+
+class Tier(NamedTuple):
+    """Where a residency table lives: a canonical medium and a KV-cache group (a group the
+    engine does not name is 0)."""
+
+    medium: str
+    group: int
 
 
 class Interval(NamedTuple):
@@ -194,12 +205,16 @@ class EpochView:
         self.log_base = 0  # entries dropped from the front of the log by retention
         self.runs: list[Run] = []
         self.clears: list[tuple[int, float]] = []
-        # Residency records (enricher/core/residency_table.py), per medium for KV-cache group 0
-        # (full attention: what a prefix lookup is judged on) and per (medium, group) for
-        # the others: the same hash in two groups is two different blocks. Created at the
-        # first batch, relative to its seq.
+        # Residency records (enricher/core/residency_table.py), one table per `Tier` (medium,
+        # KV-cache group): the same hash in two groups is two different blocks. ``media``
+        # holds the primary group's tables per medium -- the full-attention group once the
+        # events named one (group 0 until then, and for engines that name no group): what a
+        # prefix lookup is judged on. ``groups``: each group's spec, learned from its first
+        # store (`KVCacheGroup`). Created at the first batch, relative to its seq.
+        self.tiers: dict[Tier, BlockTable] = {}
         self.media: dict[str, BlockTable] = {}
-        self.group_media: dict[tuple[str, int], BlockTable] = {}
+        self.groups: dict[int, KVCacheGroup] = {}
+        self.primary_group = 0
         self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
         self.pruned = PrunedFilter()
         self.horizon_ts: float | None = None  # records before this engine time may be gone
@@ -260,7 +275,7 @@ class EpochView:
             return
         found = self._tables.get((event.medium, event.group_idx))
         if found is None:
-            found = self._table(event.medium, event.group_idx)
+            found = self._table(event)
         gpu_group0, table = found
         if cls is BlockStored:
             if gpu_group0 and self.siblings is not None:
@@ -278,19 +293,72 @@ class EpochView:
         """Whether batch ``seq`` fits this view's residency tables (see `SEQ_SPAN`)."""
         return self.first_ts is None or 0 <= seq - self.first_seq < SEQ_SPAN
 
-    def _table(self, raw_medium: str | None, group: int | None) -> tuple[bool, BlockTable]:
-        name = canonical_medium(raw_medium)
-        tables = self.media if not group else self.group_media
-        table_key = name if not group else (name, group)
-        table = tables.get(table_key)  # type: ignore[call-overload]
+    def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable]:
+        """The (primary GPU table?, table) of the event's (medium, group), made on its first
+        event. The group's spec is learned here from its first store (`_learn`); until then
+        the entry is not cached, so the group's events keep coming here (a removal can come
+        first after a mid-epoch join)."""
+        raw_medium, raw_group = event.medium, event.group_idx
+        group = raw_group or 0
+        tier = Tier(canonical_medium(raw_medium), group)
+        table = self.tiers.get(tier)
         if table is None:
-            table = tables[table_key] = BlockTable(self.first_seq)  # type: ignore[index]
-        found = self._tables[(raw_medium, group)] = (name == GPU and not group, table)
+            table = self.tiers[tier] = BlockTable(self.first_seq)
+            if group == self.primary_group:
+                self.media[tier.medium] = table
+        settled = raw_group is None or group in self.groups
+        if event.__class__ is BlockStored and not settled:
+            self._learn(event, group)
+            settled = True
+        found = (tier.medium == GPU and group == self.primary_group, table)
+        if settled:
+            self._tables[(raw_medium, raw_group)] = found
         return found
 
+    def _learn(self, event: BlockStored, group: int) -> None:
+        """A group's spec from its first store; the first full-attention group becomes the
+        primary one (and its tables ``media``)."""
+        self.groups[group] = KVCacheGroup(group, event.kv_cache_spec_kind,
+                                          event.kv_cache_spec_sliding_window, event.block_size)
+        primary = self.groups.get(self.primary_group)
+        if group != self.primary_group and self.groups[group].full_attention and (
+                primary is None or not primary.full_attention):
+            self.primary_group = group
+            self.media = {tier.medium: table for tier, table in self.tiers.items() if tier.group == group}
+            for key, (_, table) in list(self._tables.items()):
+                medium, raw_group = key
+                self._tables[key] = (canonical_medium(medium) == GPU and (raw_group or 0) == group, table)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the events named more than one KV-cache group, or one that is not full
+        attention: prefix hits then follow `HybridKVCacheCoordinator`'s rule, not one run."""
+        groups = self.groups
+        if not groups:
+            return False
+        if len(groups) > 1 or any(tier.group != self.primary_group for tier in self.tiers):
+            return True
+        only = next(iter(groups.values()))
+        return only.kind is not None and not only.full_attention
+
     def all_tables(self) -> Iterator[BlockTable]:
-        yield from self.media.values()
-        yield from self.group_media.values()
+        yield from self.tiers.values()
+
+    def residency(self, group: int, keys: Iterable[int], step_seq: int) -> list[Interval | None]:
+        """For each key, its latest interval on the GPU of KV-cache ``group`` whose store came
+        before the lookup step (`interval_as_of` for one group, many keys in one call)."""
+        table = self.tiers.get(Tier(GPU, group))
+        if table is None:
+            return [None for _ in keys]
+        out: list[Interval | None] = []
+        for key in keys:
+            found = table.as_of(key, step_seq)
+            if found is None:
+                out.append(None)
+            else:
+                stored, removed, by_clear = found
+                out.append(Interval(stored, self.ts_of(stored), removed, self.ts_of(removed), by_clear))
+        return out
 
     def _clear(self, seq: int, ts: float) -> None:
         self.clears.append((seq, ts))

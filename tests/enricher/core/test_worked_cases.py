@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import msgspec
-from fleet_builders import H, WorkerFeed, removed, request, stored
+from fleet_builders import (FULL, WINDOW, H, WorkerFeed, chain_request, full_stored, group_removed, removed, request,
+                            stored, window_stored)
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
@@ -145,3 +146,46 @@ def test_case_9_a_worker_that_left_the_fleet_is_no_routing_miss_after_it_left():
     index.apply_fleet_change(FleetChange(at=a.ts(30), source="file", departed=("B",)))
     never = judge(index, request("A", a.ts(50) - 0.5))
     assert never.label is Label.UNKNOWN_HISTORY and never.history is History.LAGGING, never
+
+
+def test_case_hybrid_a_shared_prefix_the_window_group_never_kept_is_window_limit_then_evicted():
+    """W=64, B=32 (the window group needs 2 contiguous blocks). P (200 tokens, 6 full blocks)
+    is cached: the full-attention group stores all six, the window group only P's last
+    window. Q shares P's first 64 tokens: the engine reports 0 cached although the
+    full-attention group held both shared blocks -> window_limit, never no_match. After
+    fillers evict P from the full-attention group, P again -> evicted, read in the
+    full-attention group (where it was stored), not the window group (where it never was)."""
+    p = [0xA000 + i for i in range(6)]
+    q = p[:2] + [0xB000 + i for i in range(2)]
+    fillers = [0xC000 + i for i in range(6)]
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    events = {
+        3: [window_stored(p[4], p[5]), full_stored(*p)],
+        # fillers take the pool: the engine evicts P's blocks (tail first) in both groups
+        20: [*group_removed(FULL, *reversed(p)), *group_removed(WINDOW, p[5], p[4]),
+             window_stored(fillers[4], fillers[5]), full_stored(*fillers)],
+    }
+    for b in a.batches(range(0, 40), events):
+        index.apply(b)
+    assert index.views("A")[0].primary_group == FULL  # learned from the stores' kinds
+
+    v = judge(index, chain_request("A", a.ts(10) - 0.5, q, prompt_tokens=130, cached_tokens=0))
+    assert v.label is Label.WINDOW_LIMIT and v.owner.value == "none"
+    assert v.first_miss_block == 0 and v.missed_tokens == 128
+    assert "sliding-window" in v.reason
+
+    v = judge(index, chain_request("A", a.ts(30) - 0.5, p, prompt_tokens=200, cached_tokens=0))
+    assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 20)
+
+
+def test_case_hybrid_the_same_prompt_with_its_window_evicted_from_the_window_group_is_evicted():
+    """The full-attention group still holds P; the window group's blocks of P were stored and
+    removed: a block the limiting group needed had been stored there and removed -> evicted."""
+    p = [0xA000 + i for i in range(6)]
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    events = {3: [window_stored(p[4], p[5]), full_stored(*p)], 8: group_removed(WINDOW, p[5])}
+    for b in a.batches(range(0, 20), events):
+        index.apply(b)
+    v = judge(index, chain_request("A", a.ts(12) - 0.5, p, prompt_tokens=200, cached_tokens=0))
+    assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 8)
+    assert "window group needed" in v.reason and "group 0" in v.reason

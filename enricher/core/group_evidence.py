@@ -1,0 +1,147 @@
+"""Evidence for a hybrid model: which KV-cache group limited the hit, read in that group.
+
+`evidence.gather` calls `limiting_group_evidence` when the chosen worker's epoch named
+several KV-cache groups (or one that is not full attention: `EpochView.hybrid`). The engine's
+hit is the longest length every group accepts (enricher/core/hit_rule.py). With the reported
+C and the request's chain, the first missed block H = h[C / B]:
+
+  * H not held by the full-attention group at t: that group alone cut the hit at C (its
+    leading run ends there, whatever the others hold). The caller judges H in it as for a
+    single group (None is returned): evicted, no_match, resident_miss or unknown.
+  * H held there: the full-attention group allowed a longer hit, ``p`` blocks (its leading
+    run, up to the lookup limit), and another group refused it. Each other group is asked
+    once (`EpochView.residency`) for the blocks its rule needs at ``p``; the first that lacks
+    one is the limiting group, and its blocks decide: one that history cannot place ->
+    unknown_history; one stored there in this epoch and removed before t -> evicted (read in
+    that group); all never stored there since a known-empty point -> window_limit. When every
+    group holds what it needs, the index contradicts the engine: None again, and the caller
+    finds H resident (resident_miss).
+
+A group whose hit rule is not modelled (Mamba/linear attention, chunked local attention, a
+kind this release does not know), a model with no full-attention group, or a group whose
+block size is not the request's (fine-grained hash units, ``prefix_match_unit``) gives
+``Evidence.unmodelled`` naming it: unknown_history, never a label computed as if it were
+full attention (ATTRIBUTION.md rule 8). The timing and continuity rules are evidence.py's.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+from kvmiss.enricher.core.hit_rule import window_needed
+from kvmiss.enricher.core.index import EpochView, Interval, Run
+from kvmiss.enricher.core.verdict import lookup_limit_tokens
+from kvmiss.schemas.attribution import Evidence, History, KVCacheGroup, Presence, RequestFacts, WindowStart
+from kvmiss.schemas.stream import RunStart
+
+# vLLM's KVCacheSpecKind values: the only wire strings a reason may repeat (others could
+# carry anything).
+KNOWN_KINDS = frozenset({
+    "full_attention", "mla_attention", "sliding_window", "sliding_window_mla", "mamba",
+    "chunked_local_attention", "sink_full_attention", "encoder_only_attention", "cross_attention",
+    "unknown",
+})
+
+
+class Fate(enum.Enum):
+    """A block of one group at the lookup time."""
+
+    HELD = "held"
+    REMOVED = "removed"  # stored in this run, removed before t
+    NEVER = "never"  # no record since a known-empty point
+    UNPLACED = "unplaced"  # history cannot say
+
+
+class BlockAt(NamedTuple):
+    fate: Fate
+    interval: Interval | None = None
+    history: History | None = None  # why UNPLACED
+
+
+def kind_name(group: KVCacheGroup | None) -> str:
+    """A group's kind as a reason may show it."""
+    if group is None or group.kind is None:
+        return "an unannounced kind"
+    return group.kind if group.kind in KNOWN_KINDS else "a kind this release does not know"
+
+
+def fates(view: EpochView, group: int, keys: list[int], step_seq: int, run: Run) -> list[BlockAt]:
+    """Each key's fate in ``group`` at the lookup step (evidence.py's timing rules)."""
+    out: list[BlockAt] = []
+    known_empty = None
+    for key, node in zip(keys, view.residency(group, keys, step_seq)):
+        if node is None:
+            if key in view.pruned:
+                out.append(BlockAt(Fate.UNPLACED, history=History.AGED_OUT))
+                continue
+            if known_empty is None:
+                known_empty = run.start is RunStart.EPOCH_START or view.last_clear_between(
+                    run.start_seq, step_seq + 1) is not None
+            out.append(BlockAt(Fate.NEVER) if known_empty else BlockAt(Fate.UNPLACED, history=History.GAP))
+        elif node.stored_seq is None or node.stored_seq < run.start_seq:
+            out.append(BlockAt(Fate.UNPLACED, node, History.GAP))  # the store predates the run
+        elif node.removed_seq is not None and node.removed_seq <= step_seq:
+            out.append(BlockAt(Fate.REMOVED, node))
+        else:
+            out.append(BlockAt(Fate.HELD, node))
+    return out
+
+
+def limiting_group_evidence(view: EpochView, facts: RequestFacts, step_seq: int, run: Run,
+                            base: dict[str, Any], gap: dict[str, Any]) -> Evidence | None:
+    """The evidence of the group that limited the hit, or None when the full-attention group
+    did (or the index holds everything the groups needed): the caller judges H there."""
+    b, chain = facts.block_size, facts.block_hashes or []
+    primary = view.groups.get(view.primary_group)
+    if primary is None or not primary.full_attention:
+        kinds = sorted({kind_name(g) for g in view.groups.values()})
+        return Evidence(history=History.CONTINUOUS, unmodelled=f"no full-attention group ({', '.join(kinds)})",
+                        **base)
+    first = facts.cached_tokens // b
+    limit = min(lookup_limit_tokens(facts.prompt_tokens, b) // b, len(chain))
+    run_end = first
+    for at in fates(view, primary.idx, chain[first:limit], step_seq, run):
+        if at.fate is not Fate.HELD:
+            break
+        run_end += 1
+    if run_end == first:
+        return None  # the full-attention group cut the hit at H itself
+    others = sorted((g for g in {t.group for t in view.tiers if t.medium == "GPU"} if g != primary.idx))
+    failing: list[tuple[int, list[BlockAt]]] = []
+    for idx in others:
+        group = view.groups.get(idx)
+        need = group.window_blocks if group is not None else None
+        if need is None:
+            return Evidence(history=History.CONTINUOUS, group=idx,
+                            unmodelled=f"a {kind_name(group)} group", **base)
+        if group.block_size != b or primary.block_size not in (0, b):  # type: ignore[union-attr]
+            return Evidence(history=History.CONTINUOUS, group=idx, unmodelled=(
+                f"groups of block size {group.block_size} for requests hashed in blocks of {b}"), **base)  # type: ignore[union-attr]
+        window = window_needed(run_end, need)
+        found = fates(view, idx, [chain[i] for i in window], step_seq, run)
+        if any(at.fate is not Fate.HELD for at in found):
+            failing.append((idx, found))
+    if not failing:
+        return None  # every group held what it needed: the caller finds H resident
+    for idx, found in failing:
+        for at in found:
+            if at.fate is Fate.UNPLACED:
+                history = at.history or History.GAP
+                extra = gap if history is History.GAP else {}
+                if history is History.AGED_OUT:
+                    extra = {"window_start_ts": view.horizon_ts}
+                return Evidence(history=history, group=idx, window_group=True, **extra, **base)
+    for idx, found in failing:
+        for at in found:
+            if at.fate is Fate.REMOVED:
+                node = at.interval
+                return Evidence(history=History.CONTINUOUS, presence=Presence.EVICTED, group=idx, window_group=True,
+                                stored_seq=node.stored_seq, stored_ts=node.stored_ts,  # type: ignore[union-attr]
+                                removed_seq=node.removed_seq, removed_ts=node.removed_ts,  # type: ignore[union-attr]
+                                removed_by_clear=node.removed_by_clear, **base)  # type: ignore[union-attr]
+    clear = view.last_clear_between(run.start_seq, step_seq + 1)
+    start = (dict(window_start=WindowStart.CLEAR, window_start_ts=clear[1]) if clear is not None
+             else dict(window_start=WindowStart.EPOCH_START, window_start_ts=run.start_ts))
+    return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT, group=failing[0][0],
+                    window_group=True, window_limit=True, **start, **base)
