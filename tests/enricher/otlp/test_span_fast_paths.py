@@ -22,7 +22,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
-from kvmiss.enricher.core.verdict import lookup_limit_tokens
+from kvmiss.enricher.core.verdict import needs_index
 from kvmiss.enricher.otlp import spans as S
 from kvmiss.enricher.otlp.assembly import ENGINE_FACTS, FINISH_FACTS, Assembly, Fragment, to_request_facts
 from kvmiss.enricher.service.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
@@ -417,9 +417,10 @@ def test_merging_set_fields_equals_copying_every_field(fragments):
     lookup = reference.lookup_time if reference.lookup_time is not None else reference.queue_lookup_time
     if reference.prompt_tokens is None or reference.cached_tokens is None:
         assert set(facts.missing) == {n for n in ("prompt_tokens", "cached_tokens") if getattr(reference, n) is None}
-    elif lookup is None and reference.cached_tokens < lookup_limit_tokens(reference.prompt_tokens,
-                                                                         reference.block_size or 16):
-        assert facts.missing == ("lookup_time",)  # a miss is judged at its lookup time, or waits
+    elif lookup is None and needs_index(reference.prompt_tokens, reference.cached_tokens, reference.block_size or 16,
+                                        tuple(f.transfer for f, _, _ in fragments if f.transfer is not None)):
+        # a miss is judged at its lookup time, or waits -- unless its own spans prove the label
+        assert facts.missing == ("lookup_time",)
     else:
         assert facts.worker == (reference.worker or reference.resource_worker)
         assert facts.block_hashes == reference.block_hashes
