@@ -147,6 +147,11 @@ class HistoryConfig(_Section):
     wait_s: float = 5.0  # how long a request waits for its worker's events to catch up
     assemble_wait_s: float = 10.0  # how long spans of one request are awaited
     aged_out_as_recent_match: bool = False
+    # How long (engine time) the blocks whose records retention dropped are remembered, so
+    # that a miss needing one answers "aged out" rather than "never stored". Past it they
+    # are forgotten (bounded memory: ~2 bytes per eviction of this horizon) and an absent
+    # block is "no recent match" over the window kvmiss still remembers.
+    aged_out_horizon_s: float = 3600.0
     # Idle workers publish nothing. A worker's stream that has received nothing for this
     # long asks its replay endpoint whether anything follows its last batch (a tail probe);
     # "nothing" proves its history reaches the probe's time. 0 disables probing.
@@ -312,6 +317,9 @@ def _check(config: Config, source: str) -> None:
     if config.history.retention_s <= 0 or config.history.wait_s < 0:
         raise ConfigError(f"{source}: history.retention_s must be > 0 and wait_s >= 0")
     history = config.history
+    if not history.aged_out_horizon_s > 0:
+        raise ConfigError(f"{source}: history.aged_out_horizon_s must be > 0 (seconds of engine "
+                          f"time the aged-out blocks are remembered), got {history.aged_out_horizon_s}")
     if history.tail_probe_interval_s < 0 or history.clock_skew_s < 0 or history.publish_delay_s < 0:
         raise ConfigError(f"{source}: history.tail_probe_interval_s, clock_skew_s and "
                           "publish_delay_s must be >= 0 (tail_probe_interval_s = 0 disables probes)")

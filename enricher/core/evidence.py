@@ -171,7 +171,10 @@ def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MAR
         if key in table:
             return False
     # A dropped record closed before the horizon: it cannot have held the block at t >= it.
-    return view.horizon_ts is None or t >= view.horizon_ts or key not in view.pruned
+    if view.horizon_ts is None or t >= view.horizon_ts:
+        return True
+    forgotten = view.pruned.forgotten_through  # what the filter forgot closed before it
+    return (forgotten is None or t >= forgotten) and key not in view.pruned
 
 
 Clocks = Callable[[str], ClockOffset | None]  # worker id -> its measured clock, None: unmeasured
@@ -444,6 +447,13 @@ def gather(
         return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT,
                         window_start=WindowStart.HORIZON, window_start_ts=view.horizon_ts, **base)
     clear = view.last_clear_between(run.start_seq, step_seq + 1)
+    since = clear[1] if clear is not None else run.start_ts if run.start is RunStart.EPOCH_START else None
+    forgotten = view.pruned.forgotten_through
+    if since is not None and forgotten is not None and since < forgotten:
+        # Records dropped past `aged_out_horizon_s` were forgotten; each closed before
+        # `forgotten`, so absence is proven from there only: "no recent match".
+        return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT,
+                        window_start=WindowStart.HORIZON, window_start_ts=forgotten, **base)
     if clear is not None:
         return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT,
                         window_start=WindowStart.CLEAR, window_start_ts=clear[1], **base)

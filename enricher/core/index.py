@@ -24,7 +24,8 @@ never carried across). Inside a view:
     ``media`` is the primary group's tables per medium (the full-attention group once a
     store named one); ``groups`` each group's `KVCacheGroup`, learned from its first store.
   * ``pruned``: a no-false-negative filter of blocks whose records retention dropped, so a
-    query that would need one answers "aged out" instead of guessing.
+    query that would need one answers "aged out" instead of guessing; it remembers them for
+    ``aged_out_horizon_s`` (then "no recent match" since what it forgot, see `PrunedFilter`).
 
 Per-event work is O(1) (one call into the table per event, one probe per block);
 AllBlocksCleared is O(resident blocks), as in every peer implementation, and rare.
@@ -146,33 +147,24 @@ class _BloomStage:
         return all(bits[p >> 3] & (1 << (p & 7)) for p in self.positions(block_hash))
 
 
-class PrunedFilter:
-    """A scalable Bloom filter over block hashes whose records were dropped: no false
-    negatives, and a false-positive rate that stays bounded however many records retention
-    drops (a full stage is followed by one twice its size). At 12 bits and 6 positions per
-    entry a full stage answers "maybe" wrongly ~0.4 % of the time; a fixed filter would drift
-    towards "maybe" for everything, turning `no_match` into aged-out unknowns over time.
-    Memory: 1.5-3 bytes per dropped record.
-    """
+class _Generation:
+    """A scalable Bloom filter (a full stage is followed by one twice its size) over the
+    records dropped by the prunes of one stretch of engine time, ``first_ts .. last_ts``
+    (their ``before_ts``: every record in it closed before ``last_ts``)."""
 
-    BITS_PER_ENTRY = 12
-    HASHES = 6
-    FIRST_STAGE_BITS_LOG2 = 20
+    __slots__ = ("stages", "count", "first_ts", "last_ts", "first_bits_log2")
 
-    __slots__ = ("_stages", "count")
-
-    def __init__(self) -> None:
-        self._stages: list[_BloomStage] = []
+    def __init__(self, at_ts: float | None, first_bits_log2: int):
+        self.stages: list[_BloomStage] = []
         self.count = 0
-
-    def add(self, block_hash: int) -> None:
-        self.add_many([block_hash])
+        self.first_ts = self.last_ts = at_ts
+        self.first_bits_log2 = first_bits_log2
 
     def add_many(self, hashes: list[int]) -> None:
-        stages, done = self._stages, 0
+        stages, done = self.stages, 0
         while done < len(hashes):
             if not stages or stages[-1].count >= stages[-1].capacity:
-                stages.append(_BloomStage(self.FIRST_STAGE_BITS_LOG2 + len(stages)))
+                stages.append(_BloomStage(self.first_bits_log2 + len(stages)))
             stage = stages[-1]
             take = hashes[done:done + stage.capacity - stage.count]
             stage.add_many(take)
@@ -180,18 +172,95 @@ class PrunedFilter:
         self.count += len(hashes)
 
     def __contains__(self, block_hash: int) -> bool:
-        return any(block_hash in stage for stage in reversed(self._stages))
+        return any(block_hash in stage for stage in reversed(self.stages))
+
+
+class PrunedFilter:
+    """Blocks whose records retention dropped, remembered for ``horizon_s`` of engine time
+    after they were dropped: no false negatives inside that horizon, and memory bounded by
+    the eviction rate times the horizon, however long the engine runs.
+
+    Rotating generations: the records dropped by the prunes of each ``horizon_s /
+    GENERATIONS`` of engine time share one generation, and a generation is forgotten as a
+    whole once even its newest prune is more than ``horizon_s`` old. A record dropped at a
+    prune within the horizon is therefore still in its (kept) generation; knowledge reaches
+    back ``horizon_s`` to ``horizon_s * (1 + 1/GENERATIONS)``. ``forgotten_through``: every
+    forgotten record closed before this engine time, so a block absent from the index and
+    from the filter was not held at any time since (evidence answers "no recent match" from
+    it, the window reported: shared/spec ATTRIBUTION.md, `no_match`).
+
+    Inside a generation, a full stage is followed by one twice its size, so the
+    false-positive rate stays bounded however many records it takes (a fixed filter drifts
+    towards "maybe" for everything, turning `no_match` into aged-out unknowns): at 12 bits and
+    6 positions per entry a full stage answers "maybe" wrongly ~0.4 % of the time. A new
+    generation starts at the size the last one reached, so a steady eviction rate fills
+    ~1 stage per generation: 1.5-3 bytes per remembered record.
+    """
+
+    BITS_PER_ENTRY = 12
+    HASHES = 6
+    FIRST_STAGE_BITS_LOG2 = 20
+    GENERATIONS = 4
+
+    __slots__ = ("_generations", "count", "horizon_s", "forgotten_through", "forgotten")
+
+    def __init__(self, horizon_s: float = float("inf")) -> None:
+        self._generations: collections.deque[_Generation] = collections.deque()
+        self.count = 0  # records remembered
+        self.horizon_s = horizon_s
+        self.forgotten_through: float | None = None
+        self.forgotten = 0  # records forgotten (aged past the horizon)
+
+    def add(self, block_hash: int, at_ts: float | None = None) -> None:
+        self.add_many([block_hash], at_ts)
+
+    def add_many(self, hashes: list[int], at_ts: float | None = None) -> None:
+        """Remember ``hashes``, dropped by a prune at engine time ``at_ts`` (its
+        ``before_ts``; None: the current generation's time)."""
+        if not hashes:
+            return
+        gens = self._generations
+        current = gens[-1] if gens else None
+        if current is None or (at_ts is not None and current.first_ts is not None
+                               and at_ts - current.first_ts >= self.horizon_s / self.GENERATIONS):
+            bits_log2 = self.FIRST_STAGE_BITS_LOG2
+            if current is not None:  # sized for what the last one took
+                while (1 << bits_log2) // self.BITS_PER_ENTRY < current.count:
+                    bits_log2 += 1
+            current = _Generation(at_ts, bits_log2)
+            gens.append(current)
+        if at_ts is not None:
+            current.first_ts = at_ts if current.first_ts is None else current.first_ts
+            current.last_ts = at_ts if current.last_ts is None else max(current.last_ts, at_ts)
+        current.add_many(hashes)
+        self.count += len(hashes)
+
+    def forget(self, before_ts: float) -> int:
+        """Forget the generations whose newest prune is older than ``before_ts -
+        horizon_s`` (called by every prune at ``before_ts``); returns how many records."""
+        gens, limit, forgotten = self._generations, before_ts - self.horizon_s, 0
+        while gens and gens[0].last_ts is not None and gens[0].last_ts < limit:
+            gen = gens.popleft()
+            forgotten += gen.count
+            self.forgotten_through = gen.last_ts if self.forgotten_through is None else max(
+                self.forgotten_through, gen.last_ts)
+        self.count -= forgotten
+        self.forgotten += forgotten
+        return forgotten
+
+    def __contains__(self, block_hash: int) -> bool:
+        return any(block_hash in gen for gen in reversed(self._generations))
 
     @property
     def bytes_used(self) -> int:
-        return sum(len(stage.bits) for stage in self._stages)
+        return sum(len(stage.bits) for gen in self._generations for stage in gen.stages)
 
 
 class EpochView:
     """Residency of one worker during one process lifetime."""
 
     def __init__(self, worker: str, epoch: int, instance: str | None, *,
-                 divergence_detail: bool = False):
+                 divergence_detail: bool = False, aged_out_horizon_s: float = float("inf")):
         self.worker = worker
         self.epoch = epoch
         self.instance = instance
@@ -216,7 +285,7 @@ class EpochView:
         self.groups: dict[int, KVCacheGroup] = {}
         self.primary_group = 0
         self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
-        self.pruned = PrunedFilter()
+        self.pruned = PrunedFilter(aged_out_horizon_s)
         self.horizon_ts: float | None = None  # records before this engine time may be gone
         self.first_ts: float | None = None
         self.first_seq = 0  # the first applied batch's seq: the residency tables count from it
@@ -388,16 +457,34 @@ class EpochView:
             lost = table.prune(before_ts, horizon_seq, limit)
             if limit is not None:
                 limit -= waiting - table.retained
-            self.pruned.add_many(lost)
+            self.pruned.add_many(lost, before_ts)
             dropped += len(lost)
         if cut and limit != 0:
             del self.log_seq[:cut]
             del self.log_ts[:cut]
             del self.log_removed[:cut]
             self.log_base += cut
+            self._trim_runs_and_clears()
+        self.pruned.forget(before_ts)
         if dropped or cut:
             self.horizon_ts = before_ts if self.horizon_ts is None else max(self.horizon_ts, before_ts)
         return dropped, limit
+
+    def _trim_runs_and_clears(self) -> None:
+        """Bound the run and clear lists by the log (one entry per gap or clear would
+        otherwise grow with the lifetime). A lookup step is a logged batch or the one after
+        the last, so only runs reaching into the log are asked for; the first run is kept
+        too (its start says whether the lifetime began at seq 0). Of the clears before the
+        log, the latest is kept: it may be the known-empty point of a long run."""
+        first = self.log_seq[0] if self.log_seq else (self.last_seq or 0) + 1
+        runs = self.runs
+        if len(runs) > 2 and runs[1].last_seq < first:
+            keep = next((i for i in range(1, len(runs) - 1) if runs[i].last_seq >= first), len(runs) - 1)
+            del runs[1:keep]
+        clears = self.clears
+        if len(clears) > 1 and clears[1][0] < first:
+            keep = next((i for i in range(1, len(clears)) if clears[i][0] >= first), len(clears))
+            del clears[:keep - 1]
 
     def confirm_tail(self, seq: int, at: float) -> None:
         """The publisher had published nothing after batch ``seq`` when it answered a probe
@@ -515,10 +602,11 @@ class ResidencyIndex:
     def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0,
                  keep_previous_epochs: int = 1, divergence_detail: bool = False,
                  tail_margin_s: float = TAIL_MARGIN_S, membership_uncertainty_s: float = 2.0,
-                 dynamic_membership: bool = False):
+                 dynamic_membership: bool = False, aged_out_horizon_s: float = 3600.0):
         workers = list(workers)
         self.membership = Membership(workers, band_s=membership_uncertainty_s, dynamic=dynamic_membership)
         self.retention_s = retention_s
+        self.aged_out_horizon_s = aged_out_horizon_s  # see `PrunedFilter`
         self.tail_margin_s = tail_margin_s  # see `EpochView.reached_through`
         self.divergence_detail = divergence_detail
         self.keep_previous_epochs = keep_previous_epochs
@@ -526,6 +614,7 @@ class ResidencyIndex:
         self.previous: dict[str, collections.deque[EpochView]] = {}
         self.tracked: set[str] = set(workers)
         self.prune_pending = False  # a limited `prune` stopped with more due
+        self.aged_out_forgotten = 0  # aged-out blocks forgotten past the horizon, all views
         # Bumped by every change (apply, confirm_tail, prune): what is derived from the whole
         # index for a judging round (evidence.FleetRound) holds while it stays the same.
         self.generation = 0
@@ -544,7 +633,8 @@ class ResidencyIndex:
                     batch.worker, collections.deque(maxlen=self.keep_previous_epochs))
                 older.appendleft(view)  # read-only from now on
             view = self.current[batch.worker] = EpochView(
-                batch.worker, batch.epoch, batch.instance, divergence_detail=self.divergence_detail)
+                batch.worker, batch.epoch, batch.instance, divergence_detail=self.divergence_detail,
+                aged_out_horizon_s=self.aged_out_horizon_s)
             self.tracked.add(batch.worker)
         view.apply(batch)
 
@@ -612,12 +702,19 @@ class ResidencyIndex:
         views = [*self.current.values(), *(v for older in self.previous.values() for v in older)]
         dropped, self.prune_pending = 0, False
         for view in views:
+            forgotten = view.pruned.forgotten
             lost, limit = view.prune(horizon, limit)
             dropped += lost
+            self.aged_out_forgotten += view.pruned.forgotten - forgotten
             if limit == 0:
                 self.prune_pending = True
                 break
         return dropped
+
+    def aged_out_remembered(self) -> tuple[int, int]:
+        """(blocks, bytes) the aged-out filters of every view held remember now."""
+        views = [*self.current.values(), *(v for older in self.previous.values() for v in older)]
+        return sum(v.pruned.count for v in views), sum(v.pruned.bytes_used for v in views)
 
     def views(self, worker: str) -> list[EpochView]:
         """The worker's epoch views, newest first."""

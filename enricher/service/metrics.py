@@ -54,6 +54,7 @@ class KvmissCollector(Collector):
         intake: Callable[[], Mapping[str, int]] = dict,
         endpoint: Callable[[], Mapping[str, int]] = dict,
         index_feed: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        aged_out: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
         records: RequestRecords | None = None,
         fleet: tuple[FleetStats, Callable[[], Mapping[MemberState, int]]] | None = None,
     ):
@@ -64,6 +65,7 @@ class KvmissCollector(Collector):
         self.intake = intake  # the OTLP receivers' counters and gauges (receiver.Receivers)
         self.endpoint = endpoint  # the metrics listener's own counters (listener.HttpListener)
         self.index_feed = index_feed  # (batches applied to the index, batches waiting to be)
+        self.aged_out = aged_out  # (blocks remembered, their bytes, blocks forgotten so far)
         self.records = records  # the request-records file writer, when [export] request_records is set
         self.fleet = fleet  # membership counters, and the members by state (Service.member_states)
         self.unknown_budget = unknown_budget
@@ -254,7 +256,18 @@ class KvmissCollector(Collector):
         waiting = GaugeMetricFamily("kvmiss_index_batches_pending",
                                     "Batches handed over by the collector and not yet applied to the index.")
         waiting.add_metric([], pending)
-        yield from (done, waiting)
+        remembered, filter_bytes, forgotten = self.aged_out()
+        kept = GaugeMetricFamily("kvmiss_index_aged_out_remembered", "Blocks whose records retention dropped, "
+                                 "remembered for [history] aged_out_horizon_s (a miss needing one is aged_out).")
+        kept.add_metric([], remembered)
+        size = GaugeMetricFamily("kvmiss_index_aged_out_bytes", "Bytes of the aged-out filters (bounded by the "
+                                 "eviction rate times [history] aged_out_horizon_s).")
+        size.add_metric([], filter_bytes)
+        gone = CounterMetricFamily("kvmiss_index_aged_out_forgotten", "Aged-out blocks forgotten past [history] "
+                                   "aged_out_horizon_s: absence is then proven over the remembered window only "
+                                   "(no_match, kvmiss.window_start = horizon).")
+        gone.add_metric([], forgotten)
+        yield from (done, waiting, kept, size, gone)
 
     def _spans(self) -> Iterator[Metric]:
         s = self.stats

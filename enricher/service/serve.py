@@ -100,6 +100,7 @@ class Service:
         sources = build_sources(config.fleet)  # membership that may change at run time ([fleet])
         self.index = ResidencyIndex([w.id for w in config.workers],
                                     retention_s=history.retention_s,
+                                    aged_out_horizon_s=history.aged_out_horizon_s,
                                     tail_margin_s=history.clock_skew_s + history.publish_delay_s,
                                     membership_uncertainty_s=config.fleet.membership_uncertainty_s,
                                     dynamic_membership=bool(sources))
@@ -172,7 +173,8 @@ class Service:
             exports=lambda: self.queues, clock_bounds=self.clock_bounds, records=self.request_records,
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
             endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed)),
-            fleet=(self.fleet_stats, self.member_states)))
+            fleet=(self.fleet_stats, self.member_states),
+            aged_out=lambda: (*self.index.aged_out_remembered(), self.index.aged_out_forgotten)))
         self._ticker: asyncio.Task | None = None
         self._stopping = False
 

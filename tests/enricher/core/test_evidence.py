@@ -421,5 +421,6 @@ def test_the_pruned_filter_sets_the_same_bits_in_bulk_as_one_by_one():
     finally:
         index_module.bloom_add = compiled
     assert bulk.count == single.count == len(hashes)
-    assert [(s.count, s.bits) for s in bulk._stages] == [(s.count, s.bits) for s in single._stages]
-    assert len(bulk._stages) >= 2
+    (bulk_gen,), (single_gen,) = bulk._generations, single._generations
+    assert [(s.count, s.bits) for s in bulk_gen.stages] == [(s.count, s.bits) for s in single_gen.stages]
+    assert len(bulk_gen.stages) >= 2
