@@ -137,3 +137,18 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+# --- the Collector's ${env:NAME:-default} references ------------------------------------------
+
+ENV_REFERENCE = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def with_env_defaults(text: str) -> str:
+    """A Collector config as it runs with no variable set: each ``${env:NAME:-default}`` is its
+    default (the value is YAML, as the Collector's env provider reads it). A reference without a
+    default is an error here: the shipped files must run as they are."""
+    def default(match: re.Match) -> str:
+        assert match.group(2) is not None, f"${{env:{match.group(1)}}} has no default"
+        return match.group(2)
+    return ENV_REFERENCE.sub(default, text)

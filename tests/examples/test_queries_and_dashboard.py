@@ -24,6 +24,7 @@ from example_checks import (
     promql_metric_names,
     sample_names,
     scrape_kvmiss_metrics,
+    with_env_defaults,
 )
 
 from kvmiss.collectors.replay_window import VLLM_DEFAULT_BUFFER_STEPS
@@ -62,7 +63,7 @@ def label_names(exposition) -> dict[str, set[str]]:
 
 def spanmetrics_names() -> set[str]:
     """The Prometheus names of collector/replicas.yaml's spanmetrics connector output."""
-    spanmetrics = yaml.safe_load((EXAMPLES / "collector" / "replicas.yaml").read_text())["connectors"]["spanmetrics"]
+    spanmetrics = yaml.safe_load(with_env_defaults((EXAMPLES / "collector" / "replicas.yaml").read_text()))["connectors"]["spanmetrics"]
     prefix = spanmetrics.get("namespace", "traces.span.metrics").replace(".", "_")
     unit = {"ms": "milliseconds", "s": "seconds"}[spanmetrics.get("histogram", {}).get("unit", "ms")]
     duration = f"{prefix}_duration_{unit}"

@@ -1,0 +1,224 @@
+"""The recommended deployment of examples/collector/replicas.yaml, all real, on loopback:
+
+    engines (demo publishers, ZeroMQ) ----------------------------.
+    router + engine (OTel SDK) -> gateway Collector [traces/ingest] |
+        -> loadbalancing/kvmiss by trace id -> kvmiss-0 | kvmiss-1 <'  (each follows every worker)
+        -> [traces/enriched] -> spanmetrics -> prometheus exporter <- Prometheus (+ kvmiss /metrics)
+                             -> loadbalancing/traceid -> [traces/sample] -> tail_sampling -> Jaeger v2
+
+The gateway runs the shipped replicas.yaml unchanged; its ``${env:...}`` endpoints are set to
+free loopback ports. The replicas run kvmiss-replica.toml's settings ([otlp] max_pending_spans,
+[history] waits) on loopback ports, exporting to the gateway's enriched receiver.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from reliability_rig import BLOCK, PROMPT_TOKENS, Engines, Kvmiss, bring_up, router_attrs, wait_applied
+from stack import COLLECTOR_EXAMPLES, Collector, Jaeger, Prometheus, free_port, http_get, wait_until
+
+WORKERS = ["w0", "w1", "w2", "w3"]
+ROUTER_SERVICE, ENGINE_SERVICE = "router", "vllm"
+REPLICA_TOML = tomllib.loads((COLLECTOR_EXAMPLES / "kvmiss-replica.toml").read_text())
+
+
+def replica_config(*, grpc: int, http: int, metrics: int, export_grpc: int, workers: dict[str, tuple[str, str]],
+                   journal: Path | None = None, max_pending_spans: int | None = None) -> str:
+    """kvmiss-replica.toml's settings, on loopback ports, with the test fleet's streams."""
+    history = REPLICA_TOML["history"]
+    pending = max_pending_spans or REPLICA_TOML["otlp"]["max_pending_spans"]
+    text = f"""
+[otlp]
+grpc = "127.0.0.1:{grpc}"
+http = "127.0.0.1:{http}"
+max_pending_spans = {pending}
+[export]
+endpoint = "grpc://127.0.0.1:{export_grpc}"
+timeout_s = {REPLICA_TOML["export"]["timeout_s"]}
+""" + (f'journal = "{journal}"\n' if journal else "") + f"""
+[engine]
+block_size = {BLOCK}
+[privacy]
+digest_key = "stack-test-secret-000001"
+[metrics]
+listen = "127.0.0.1:{metrics}"
+unknown_budget = {REPLICA_TOML["metrics"]["unknown_budget"]}
+[history]
+wait_s = {history["wait_s"]}
+assemble_wait_s = {history["assemble_wait_s"]}
+"""
+    for worker, (endpoint, replay) in workers.items():
+        text += f'[[workers]]\nid = "{worker}"\nendpoint = "{endpoint}"\nreplay_endpoint = "{replay}"\n'
+    return text
+
+
+class Replica:
+    """One ``kvmiss serve`` on fixed ports, so that a restart comes back where the Collector sends."""
+
+    def __init__(self, workdir: Path, name: str, export_grpc: int, workers: dict[str, tuple[str, str]],
+                 **config):
+        self.workdir, self.name, self.export_grpc, self.workers, self.config = workdir, name, export_grpc, workers, config
+        self.grpc, self.http, self.metrics = free_port(), free_port(), free_port()
+        self.kvmiss: Kvmiss | None = None
+
+    def start(self) -> Kvmiss:
+        text = replica_config(grpc=self.grpc, http=self.http, metrics=self.metrics, export_grpc=self.export_grpc,
+                              workers=self.workers, **self.config)
+        self.kvmiss = Kvmiss(text, self.workdir, http_port=self.http, metrics_port=self.metrics, grpc_port=self.grpc)
+        return self.kvmiss
+
+
+class Router:
+    """A router and an engine instrumented with the OTel SDK, exporting OTLP/gRPC to the
+    gateway: per request a ``route`` span (kvmiss's inputs) and a child ``llm_request``."""
+
+    def __init__(self, endpoint: str):
+        self.providers = []
+        self.tracers = {}
+        for service in (ROUTER_SERVICE, ENGINE_SERVICE):
+            provider = TracerProvider(resource=Resource.create({"service.name": service}))
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
+                                                           schedule_delay_millis=100, max_export_batch_size=256))
+            self.providers.append(provider)
+            self.tracers[service] = provider.get_tracer("kvmiss.tests.stack")
+
+    def request(self, rid: str, worker: str, block: int, lookup: float, hit: bool = False) -> str:
+        """Sends one request's two spans; returns its trace id (hex, as Jaeger shows it)."""
+        attrs = router_attrs(rid, worker, block, lookup)
+        if hit:
+            attrs["gen_ai.usage.cache_read.input_tokens"] = PROMPT_TOKENS - 1  # every full block reused
+        with self.tracers[ROUTER_SERVICE].start_as_current_span("route", kind=trace.SpanKind.CLIENT,
+                                                                attributes=attrs) as route:
+            with self.tracers[ENGINE_SERVICE].start_as_current_span(
+                    "llm_request", kind=trace.SpanKind.SERVER,
+                    attributes={"gen_ai.request.id": rid, "gen_ai.usage.prompt_tokens": PROMPT_TOKENS}):
+                pass
+            return f"{route.get_span_context().trace_id:032x}"
+
+    def flush(self) -> None:
+        for provider in self.providers:
+            assert provider.force_flush(30_000), "the OTel SDK could not export to the gateway"
+
+    def close(self) -> None:
+        for provider in self.providers:
+            provider.shutdown()
+
+
+@dataclass
+class Sent:
+    """What the test sent: request id -> (trace id, the truth's label)."""
+    requests: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def traces_with(self, label: str) -> set[str]:
+        return {t for t, lab in self.requests.values() if lab == label}
+
+
+class Deployment:
+    """Starts the parts in dependency order; `close` stops whatever was started."""
+
+    def __init__(self, workdir: Path, *, replicas: int = 2, seed: int = 26, **replica_config_kwargs):
+        self.workdir = workdir
+        self.closers: list = []
+        self.rng = random.Random(seed)
+        self.universe = list(range(5000, 5048))
+        try:
+            self.engines = Engines(WORKERS)
+            self.closers.append(self.engines.close)
+            self.jaeger = Jaeger(workdir)
+            self.closers.append(self.jaeger.kill)
+            self.ports = {name: free_port() for name in ("ingest_grpc", "ingest_http", "enriched", "sampler", "spanmetrics")}
+            streams = {w: self.engines.endpoints(w) for w in WORKERS}
+            self.replicas = [Replica(workdir, f"kvmiss-{i}", self.ports["enriched"], streams, **replica_config_kwargs)
+                             for i in range(replicas)]
+            self.gateway = self.start_gateway([r.grpc for r in self.replicas])
+            for replica in self.replicas:
+                kvmiss = replica.start()
+                self.closers.append(lambda r=replica: r.kvmiss and r.kvmiss.kill())
+                bring_up(kvmiss, self.engines)
+            self.router = Router(f"127.0.0.1:{self.ports['ingest_grpc']}")
+            self.closers.append(self.router.close)
+            self.prometheus: Prometheus | None = None
+        except BaseException:
+            self.close()
+            raise
+
+    def gateway_env(self, replica_ports: list[int]) -> dict[str, str]:
+        p = self.ports
+        return {"OTELCOL_INGEST_GRPC": f"127.0.0.1:{p['ingest_grpc']}", "OTELCOL_INGEST_HTTP": f"127.0.0.1:{p['ingest_http']}",
+                "OTELCOL_ENRICHED_GRPC": f"127.0.0.1:{p['enriched']}", "OTELCOL_SAMPLER_GRPC": f"127.0.0.1:{p['sampler']}",
+                "KVMISS_REPLICAS": "[" + ", ".join(f"127.0.0.1:{port}" for port in replica_ports) + "]",
+                "OTELCOL_GATEWAYS": f"[127.0.0.1:{p['sampler']}]",
+                "TRACE_BACKEND_OTLP_GRPC": f"127.0.0.1:{self.jaeger.otlp_port}",
+                "SPANMETRICS_PROMETHEUS": f"127.0.0.1:{p['spanmetrics']}"}
+
+    def start_gateway(self, replica_ports: list[int]) -> Collector:
+        gateway = Collector("otelcol-gateway", COLLECTOR_EXAMPLES / "replicas.yaml", self.workdir,
+                            self.gateway_env(replica_ports), ready_port=self.ports["ingest_grpc"])
+        self.closers.append(gateway.kill)
+        return gateway
+
+    def start_prometheus(self) -> Prometheus:
+        jobs = {"kvmiss": [f"127.0.0.1:{r.metrics}" for r in self.replicas],
+                "spanmetrics": [f"127.0.0.1:{self.ports['spanmetrics']}"]}
+        self.prometheus = Prometheus(self.workdir, jobs)
+        self.closers.append(self.prometheus.kill)
+        wait_until(self.prometheus.targets_up, "Prometheus to scrape every target", 30)
+        return self.prometheus
+
+    def round(self, sent: Sent, requests: int, *, hits: int = 0, allowed=None) -> None:
+        """Every worker stores and evicts some blocks, then ``requests`` misses (random worker and
+        block, their label the truth's) and ``hits`` hits. ``allowed``: (worker, label) pairs a
+        miss may have (others are not sent)."""
+        for worker in WORKERS:
+            self.engines.publish(worker, stored=self.rng.sample(self.universe, 4),
+                                 removed=self.rng.sample(self.universe, 3))
+        t = self.engines.mark()
+        for replica in self.replicas:
+            wait_applied(replica.kvmiss, dict(self.engines.seqs))
+        n = 0
+        while n < requests:
+            worker, block = self.rng.choice(WORKERS), self.rng.choice(self.universe)
+            label = self.engines.truth.label(worker, block, t)
+            if allowed is not None and (worker, label) not in allowed:
+                continue
+            rid = f"q{len(sent.requests)}"
+            sent.requests[rid] = (self.router.request(rid, worker, block, t), label)
+            n += 1
+        for i in range(hits):  # spread over the workers in turn
+            rid = f"q{len(sent.requests)}"
+            sent.requests[rid] = (self.router.request(rid, WORKERS[i % len(WORKERS)], self.universe[0], t, hit=True), "hit")
+        self.router.flush()
+
+    def spanmetrics_text(self) -> str:
+        status, body = http_get(f"http://127.0.0.1:{self.ports['spanmetrics']}/metrics")
+        return body.decode() if status == 200 else ""
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - stop the rest too
+                pass
+        self.closers.clear()
+
+
+def wait_quiet(replicas: list[Replica], timeout: float = 60.0) -> None:
+    """Until every replica has exported all it received (nothing held, nothing queued)."""
+    def quiet():
+        for replica in replicas:
+            m = replica.kvmiss.scrape()
+            if m.get("kvmiss_spans_received") != m.get("kvmiss_export_spans_sent"):
+                return False
+        return True
+    wait_until(quiet, "every replica to export what it received", timeout, interval=0.5)
+    time.sleep(0.5)
