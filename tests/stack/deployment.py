@@ -14,7 +14,6 @@ free loopback ports. The replicas run kvmiss-replica.toml's settings ([otlp] max
 from __future__ import annotations
 
 import random
-import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +129,8 @@ class Deployment:
         self.workdir = workdir
         self.closers: list = []
         self.rng = random.Random(seed)
-        self.universe = list(range(5000, 5048))
+        self.never_stored = 4999
+        self.resident: dict[str, set[int]] = {}
         try:
             self.engines = Engines(WORKERS)
             self.closers.append(self.engines.close)
@@ -141,10 +141,11 @@ class Deployment:
             self.replicas = [Replica(workdir, f"kvmiss-{i}", self.ports["enriched"], streams, **replica_config_kwargs)
                              for i in range(replicas)]
             self.gateway = self.start_gateway([r.grpc for r in self.replicas])
-            for replica in self.replicas:
-                kvmiss = replica.start()
+            for replica in self.replicas:  # all subscribed before the engines' first batch
+                replica.start()
                 self.closers.append(lambda r=replica: r.kvmiss and r.kvmiss.kill())
-                bring_up(kvmiss, self.engines)
+            for replica in self.replicas:
+                bring_up(replica.kvmiss, self.engines)
             self.router = Router(f"127.0.0.1:{self.ports['ingest_grpc']}")
             self.closers.append(self.router.close)
             self.prometheus: Prometheus | None = None
@@ -176,28 +177,41 @@ class Deployment:
         return self.prometheus
 
     def round(self, sent: Sent, requests: int, *, hits: int = 0, allowed=None) -> None:
-        """Every worker stores and evicts some blocks, then ``requests`` misses (random worker and
-        block, their label the truth's) and ``hits`` hits. ``allowed``: (worker, label) pairs a
-        miss may have (others are not sent)."""
-        for worker in WORKERS:
-            self.engines.publish(worker, stored=self.rng.sample(self.universe, 4),
-                                 removed=self.rng.sample(self.universe, 3))
+        """Every worker stores (mostly its own blocks, one of another's) and evicts some, then
+        ``requests`` misses, aiming in turn at each (worker, class) pair -- ``allowed`` ones
+        only, if given -- with a block the truth puts there, and ``hits`` hits."""
+        for i, worker in enumerate(WORKERS):  # an engine evicts only what it holds
+            held = self.resident.setdefault(worker, set())
+            removed = self.rng.sample(sorted(held), min(3, len(held)))
+            other = self.own_blocks(WORKERS[(i + 1 + self.rng.randrange(len(WORKERS) - 1)) % len(WORKERS)])
+            candidates = self.rng.sample(self.own_blocks(worker), 3) + [self.rng.choice(other)]
+            stored = [b for b in candidates if b not in held]
+            held.difference_update(removed)
+            held.update(stored)
+            self.engines.publish(worker, stored=stored, removed=removed)
         t = self.engines.mark()
         for replica in self.replicas:
             wait_applied(replica.kvmiss, dict(self.engines.seqs))
-        n = 0
-        while n < requests:
-            worker, block = self.rng.choice(WORKERS), self.rng.choice(self.universe)
-            label = self.engines.truth.label(worker, block, t)
-            if allowed is not None and (worker, label) not in allowed:
-                continue
+        targets = sorted(allowed) if allowed is not None else [
+            (w, label) for w in WORKERS for label in ("evicted", "no_match", "routing_miss", "resident_miss")]
+        universe = [b for w in WORKERS for b in self.own_blocks(w)] + [self.never_stored]
+        offset = len(sent.requests)
+        for n in range(requests):
+            worker, want = targets[(offset + n) % len(targets)]
+            blocks = [b for b in universe if self.engines.truth.label(worker, b, t) == want]
+            if not blocks:
+                continue  # that class cannot happen on that worker now
+            block = self.rng.choice(blocks)
             rid = f"q{len(sent.requests)}"
-            sent.requests[rid] = (self.router.request(rid, worker, block, t), label)
-            n += 1
+            sent.requests[rid] = (self.router.request(rid, worker, block, t), want)
         for i in range(hits):  # spread over the workers in turn
             rid = f"q{len(sent.requests)}"
-            sent.requests[rid] = (self.router.request(rid, WORKERS[i % len(WORKERS)], self.universe[0], t, hit=True), "hit")
+            sent.requests[rid] = (self.router.request(rid, WORKERS[i % len(WORKERS)], self.never_stored, t, hit=True), "hit")
         self.router.flush()
+
+    def own_blocks(self, worker: str) -> list[int]:
+        first = 5000 + 20 * WORKERS.index(worker)
+        return list(range(first, first + 20))
 
     def spanmetrics_text(self) -> str:
         status, body = http_get(f"http://127.0.0.1:{self.ports['spanmetrics']}/metrics")
@@ -212,13 +226,11 @@ class Deployment:
         self.closers.clear()
 
 
-def wait_quiet(replicas: list[Replica], timeout: float = 60.0) -> None:
-    """Until every replica has exported all it received (nothing held, nothing queued)."""
+def wait_quiet(replicas: list[Replica], requests: int, timeout: float = 60.0) -> None:
+    """Until the replicas have judged ``requests`` requests between them and each has exported
+    all it received (nothing held, nothing queued)."""
     def quiet():
-        for replica in replicas:
-            m = replica.kvmiss.scrape()
-            if m.get("kvmiss_spans_received") != m.get("kvmiss_export_spans_sent"):
-                return False
-        return True
-    wait_until(quiet, "every replica to export what it received", timeout, interval=0.5)
-    time.sleep(0.5)
+        scrapes = [replica.kvmiss.scrape() for replica in replicas]
+        return (sum(m.get("kvmiss_requests") for m in scrapes) >= requests
+                and all(m.get("kvmiss_spans_received") == m.get("kvmiss_export_spans_sent") for m in scrapes))
+    wait_until(quiet, f"the replicas to judge {requests} requests and export every span", timeout, interval=0.5)

@@ -103,19 +103,25 @@ def run(tmp_path_factory):
     deployment = Deployment(tmp_path_factory.mktemp("stack-e2e"))
     try:
         sent = Sent()
-        deployment.round(sent, 24, hits=len(WORKERS))
-        wait_quiet(deployment.replicas)
+        for _ in range(3):  # later rounds evict what earlier ones stored
+            deployment.round(sent, 32, hits=2 * len(WORKERS))
+        wait_quiet(deployment.replicas, len(sent.requests))
         before = scrape_families(deployment.replicas)
-        # the (worker, label) pairs of the warm-up: the measured rounds stay within them
-        warm = {(labels["worker"], labels["label"]) for _, name, labels, value in before
-                if name == "kvmiss_requests_total" and value}
+        # The measured rounds stay within the (worker, label) pairs every replica has a series
+        # for: a series born after Prometheus's first scrape loses its first increments to it.
+        per_replica: dict[str, set] = {}
+        for _, name, labels, value in before:
+            if name == "kvmiss_requests_total" and value:
+                per_replica.setdefault(labels["instance"], set()).add((labels["worker"], labels["label"]))
+        warm = set.intersection(*per_replica.values())
+        assert len(per_replica) == len(deployment.replicas) and len({label for _, label in warm}) >= 4, per_replica
         wait_until(lambda: spanmetrics_calls(deployment.spanmetrics_text()) == kvmiss_verdicts(before),
                    "the span metrics to count the warm-up's verdicts", 40, interval=0.5)
         prometheus = deployment.start_prometheus()
         time.sleep(2.5 * prometheus.SCRAPE_S)
         for _ in range(3):
             deployment.round(sent, 20, hits=len(WORKERS), allowed=warm)
-        wait_quiet(deployment.replicas)
+        wait_quiet(deployment.replicas, len(sent.requests))
         after = scrape_families(deployment.replicas)
         wait_until(lambda: spanmetrics_calls(deployment.spanmetrics_text()) == kvmiss_verdicts(after),
                    "the span metrics to count every verdict", 40, interval=0.5)
@@ -123,16 +129,17 @@ def run(tmp_path_factory):
         wait_until(lambda: [float(r["value"][1]) for r in prometheus.query(
             'sum(traces_span_metrics_calls_total{kvmiss_label!=""}) + sum(kvmiss_requests_total)')] == [2 * total],
             "Prometheus to scrape the last values", 20, interval=0.5)
-        at = time.time()
-        results = {where: (expr, prometheus.query(expr, at=at)) for where, expr in shipped_expressions()}
-        expected = increases(before, after)
         misses = {trace_id for trace_id, label in sent.requests.values() if label in MISSES}
-        deadline = time.monotonic() + DECISION_WAIT_S + 60
 
         def in_jaeger() -> set[str]:
             return {t["traceID"] for t in deployment.jaeger.traces(ROUTER_SERVICE)}
-        wait_until(lambda: misses <= in_jaeger(), "every miss trace in Jaeger", deadline - time.monotonic(), 1.0)
+        wait_until(lambda: misses <= in_jaeger(), "every miss trace in Jaeger", DECISION_WAIT_S + 60, 1.0)
         time.sleep(3)  # anything that would arrive twice has had its chance
+        # Queried after the tail-sampling wait: Prometheus has then sampled the flat counters for
+        # ~30 s after the traffic, so its extrapolation to the range's edges adds a few % at most.
+        at = time.time()
+        results = {where: (expr, prometheus.query(expr, at=at)) for where, expr in shipped_expressions()}
+        expected = increases(before, after)
         yield {"deployment": deployment, "sent": sent, "results": results, "expected": expected, "after": after}
     finally:
         deployment.close()
@@ -182,8 +189,8 @@ def _close(got: float, want: float) -> bool:
     if math.isnan(want) or math.isnan(got):
         return math.isnan(want) and math.isnan(got)
     # Prometheus extrapolates a range's first and last samples to its edges: up to about one
-    # scrape interval (1 s) more than the increase over the ~30 s Prometheus ran.
-    return abs(got - want) <= 0.12 * abs(want) + 1e-9
+    # scrape interval (1 s) more than the increase over the ~40 s Prometheus ran.
+    return abs(got - want) <= 0.08 * abs(want) + 1e-9
 
 
 def test_every_shipped_promql_expression_matches_kvmiss_counters(run):
