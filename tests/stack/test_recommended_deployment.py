@@ -20,7 +20,9 @@ import re
 import time
 
 import pytest
+import yaml
 from deployment import ROUTER_SERVICE, WORKERS, Deployment, Sent, wait_quiet
+from example_checks import with_env_defaults
 from prometheus_client.parser import text_string_to_metric_families
 from promql_expect import Evaluator, Samples
 from stack import ROOT, http_get, wait_until
@@ -33,7 +35,16 @@ DASHBOARD = ROOT / "examples" / "grafana" / "kvmiss-dashboard.json"
 GRAFANA = {"__rate_interval": "5m", "__range": "5m", "worker": ".*", "buffer_steps": "10000",
            "outage_s": "60", "catchup_s": "3", "safety_factor": "2"}
 DECISION_WAIT_S = 30  # replicas.yaml's tail_sampling decision_wait
-MISSES = [label.value for label in Label if label.value not in ("hit", "lookup_limit")]
+
+def kept_labels() -> set[str]:
+    """The labels replicas.yaml's tail_sampling keeps every trace of (its string_attribute policy)."""
+    config = yaml.safe_load(with_env_defaults((ROOT / "examples" / "collector" / "replicas.yaml").read_text()))
+    (policy,) = [p for p in config["processors"]["tail_sampling"]["policies"] if p["type"] == "string_attribute"]
+    assert policy["string_attribute"]["key"] == "kvmiss.label"
+    return set(policy["string_attribute"]["values"])
+
+
+MISSES = kept_labels()
 
 
 def shipped_expressions() -> list[tuple[str, str]]:
