@@ -7,9 +7,11 @@ examples/kvmiss.toml for a commented example.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
+import string
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -185,6 +187,38 @@ class CollectorConfig(_Section):
     heartbeat_timeout_s: float = 4.0
 
 
+class FleetDnsConfig(_Section):
+    """[fleet.dns]: engines found by re-resolving a name, as a Kubernetes headless Service
+    answers with one address per ready pod (collectors/membership_dns.py)."""
+
+    name: str  # e.g. "vllm-engines.serving.svc.cluster.local"
+    interval_s: float = 5.0  # re-resolved this often
+    timeout_s: float = 2.0  # one resolution's deadline (capped at interval_s)
+    nameserver: str | None = None  # "host:port"; None: the system's (/etc/resolv.conf, search domains)
+    record: Literal["A", "AAAA"] = "A"  # one family: a dual-stack pod is one engine, not two
+    # Templates over {ip} (the address), {host} (the address as an endpoint takes it: [..] for
+    # IPv6), {name} (the name above) and {dp_rank} (0 .. dp_size-1).
+    endpoint: str = "tcp://{host}:5557"
+    replay_endpoint: str | None = None  # e.g. "tcp://{host}:5558"
+    id: str = "{name}-{ip}"  # must be what spans name as the worker
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1  # data-parallel ranks per address
+    # An answer that the name has no addresses (NXDOMAIN, or no records of this type) departs
+    # the members only once every answer for this long said so; failures (time-outs,
+    # SERVFAIL, REFUSED, no route) never depart anyone (docs/FLEET.md).
+    empty_grace_s: float = 30.0
+
+
+class FleetTopicsConfig(_Section):
+    """[fleet.topics]: publishers that connect out (as llm-d deploys vLLM) to one SUB kvmiss
+    binds; each worker is known by the fields of its topic (collectors/membership_topics.py)."""
+
+    bind: str  # e.g. "tcp://*:5557"
+    topic_template: str  # e.g. "kv@{pod}@{model}": every field but {model} names the worker
+    id: str  # a template over the topic's fields (and {dp_rank}, from each batch), e.g. "{pod}"
+    replay_endpoint: str | None = None  # a template over the same fields, e.g. "tcp://{pod}.engines:5558"
+    subscribe: str = ""  # SUB prefix filter, e.g. "kv@"
+
+
 class FleetConfig(_Section):
     """Membership that changes while kvmiss runs (docs/FLEET.md). The static ``[[workers]]``
     are always members; a source adds its own workers, and no id may be listed twice."""
@@ -349,3 +383,61 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: fleet.membership_uncertainty_s must be a finite number of seconds >= "
                           f"fleet.poll_interval_s ({fleet.poll_interval_s:g}: one replica may see a change a "
                           f"whole poll later than another), got {fleet.membership_uncertainty_s}")
+
+
+# --- [fleet.dns] and [fleet.topics] ---------------------------------------------------------
+
+DNS_TEMPLATE_FIELDS = frozenset({"ip", "host", "name", "dp_rank"})
+
+
+def template_fields(key: str, template: str, allowed: frozenset[str] | None = None) -> list[str]:
+    """The ``{field}`` names of ``template`` in order; ConfigError naming ``key`` for bad braces,
+    a positional or attribute field, or (with ``allowed``) an unknown one."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc} in {template!r}") from None
+    for name in names:
+        if not name.isidentifier():
+            raise ConfigError(f"{key}: {{{name}}} in {template!r} is not a field name")
+        if allowed is not None and name not in allowed:
+            raise ConfigError(f"{key}: unknown field {{{name}}} in {template!r}; the fields are "
+                              + ", ".join("{" + f + "}" for f in sorted(allowed)))
+    return names
+
+
+def parse_nameserver(text: str) -> tuple[str, int]:
+    """"host:port" (host an IP address, IPv6 in brackets) -> (host, port); ValueError if not."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    ipaddress.ip_address(host)  # dnspython wants an address
+    return host, int(port)
+
+
+def check_fleet_dns(dns: FleetDnsConfig, source: str) -> None:
+    """[fleet.dns]'s own rules (the section's types are checked by msgspec)."""
+    if not dns.name.strip(". "):
+        raise ConfigError(f"{source}: fleet.dns.name must be a DNS name")
+    for key in ("interval_s", "timeout_s"):
+        value = getattr(dns, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{source}: fleet.dns.{key} must be a finite number of seconds > 0, got {value}")
+    if not (math.isfinite(dns.empty_grace_s) and dns.empty_grace_s >= 0):
+        raise ConfigError(f"{source}: fleet.dns.empty_grace_s must be a finite number of seconds >= 0, "
+                          f"got {dns.empty_grace_s}")
+    if dns.nameserver is not None:
+        try:
+            parse_nameserver(dns.nameserver)
+        except ValueError:
+            raise ConfigError(f"{source}: fleet.dns.nameserver must be \"ip:port\" (IPv6 in brackets), "
+                              f"got {dns.nameserver!r}") from None
+    for key in ("endpoint", "replay_endpoint", "id"):
+        template = getattr(dns, key)
+        if template is not None:
+            template_fields(f"{source}: fleet.dns.{key}", template, DNS_TEMPLATE_FIELDS)
+    if not {"ip", "host"} & set(template_fields("", dns.id)):
+        raise ConfigError(f"{source}: fleet.dns.id must contain {{ip}} or {{host}}: one worker per address")
+    if dns.dp_size > 1 and "dp_rank" not in template_fields("", dns.id):
+        raise ConfigError(f"{source}: fleet.dns.id must contain {{dp_rank}} when dp_size > 1")
