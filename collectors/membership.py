@@ -149,9 +149,20 @@ class FileSource:
         return refusal
 
 
-def build_sources(config: FleetConfig) -> list[MembershipSource]:
-    """The sources ``[fleet]`` names, in a fixed order (their changes apply in it)."""
+def build_sources(config: FleetConfig, announcements=None) -> list[MembershipSource]:
+    """The sources ``[fleet]`` names, in a fixed order (their changes apply in it).
+    ``announcements``: where the collector thread reports workers that announced themselves
+    on [fleet.topics] (members = "announced"); without it that source is left out."""
+    from kvmiss.collectors.membership_dns import DnsMembership  # (they import this module)
+    from kvmiss.collectors.membership_topics import TopicScheme, TopicSource
+
     sources: list[MembershipSource] = []
     if config.file is not None:
         sources.append(FileSource(config.file))
+    topics = None if config.topics is None else TopicScheme(config.topics)
+    if config.dns is not None:
+        listed = topics is not None and config.topics.members == "listed"
+        sources.append(DnsMembership(config.dns, topics=topics if listed else None))
+    if topics is not None and config.topics.members == "announced" and announcements is not None:
+        sources.append(TopicSource(topics, announcements))
     return sources

@@ -34,6 +34,7 @@ import dns.resolver
 import msgspec
 
 from kvmiss.collectors.membership import Desired
+from kvmiss.collectors.membership_topics import TopicScheme
 from kvmiss.schemas.config import FleetDnsConfig, WorkerSpec, parse_nameserver
 
 log = logging.getLogger("kvmiss.collectors")
@@ -64,8 +65,12 @@ class DnsMembership:
 
     name = SOURCE
 
-    def __init__(self, config: FleetDnsConfig, *, resolver: dns.asyncresolver.Resolver | None = None):
+    def __init__(self, config: FleetDnsConfig, *, topics: TopicScheme | None = None,
+                 resolver: dns.asyncresolver.Resolver | None = None):
         self.config = config
+        # [fleet.topics] members = "listed": the name lists workers whose events come on the
+        # topics SUB; each address gives an id (the ``id`` template), the topics section the rest.
+        self.topics = topics
         self.members: dict[str, WorkerSpec] = {}
         self.outcomes: collections.Counter[Outcome] = collections.Counter()
         self._empty_since: float | None = None
@@ -77,6 +82,7 @@ class DnsMembership:
         self._task: asyncio.Task | None = None  # the resolution out, if one is
         self._next = float("-inf")  # when the next one is due (time.monotonic)
         self._first = True
+        self._unfit: set[str] = set()  # addresses whose id [fleet.topics] cannot read (logged)
 
     # --- pure ------------------------------------------------------------------------------
 
@@ -89,6 +95,16 @@ class DnsMembership:
             host = f"[{ip}]" if ":" in ip else ip
             for rank in range(c.dp_size):
                 fields = {"ip": ip, "host": host, "name": name, "dp_rank": rank}
+                if self.topics is not None:
+                    spec = self.topics.spec(c.id.format(**fields))
+                    if spec is None:
+                        if ip not in self._unfit:  # once per address
+                            self._unfit.add(ip)
+                            log.warning("fleet: %s: id %r does not fit [fleet.topics] id %r; left out",
+                                        c.name, c.id.format(**fields), self.topics.config.id)
+                    else:
+                        specs[spec.id] = spec
+                    continue
                 spec = WorkerSpec(
                     id=c.id.format(**fields), endpoint=c.endpoint.format(**fields),
                     replay_endpoint=None if c.replay_endpoint is None else c.replay_endpoint.format(**fields),

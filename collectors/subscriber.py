@@ -39,6 +39,7 @@ from kvmiss.collectors.continuity import RequestReplay
 from kvmiss.collectors.fleet import CONNECTED, DEALER, MONITOR, RECONNECTED, SUB, TICK, UNREAD, Fleet
 from kvmiss.collectors.frames import encode_replay_request
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
+from kvmiss.collectors.topic_feed import TOPICS, TOPICS_MONITOR, TopicFeed
 from kvmiss.schemas.config import WorkerSpec
 from kvmiss.schemas.fleet import FleetChange
 
@@ -135,8 +136,10 @@ class Subscriber:
         reconnect_ivl_max_ms: int = 5_000,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        topics: TopicFeed | None = None,
     ):
         self.fleet = fleet
+        self.topics = topics  # [fleet.topics]: one bound SUB for every publisher that connects out
         self.recorder = recorder
         self.clock = clock
         self._own_context = context is None
@@ -223,12 +226,16 @@ class Subscriber:
 
     def _open(self) -> None:
         self._epoll = _fd_poller()
+        if self.topics is not None:
+            sub, monitor = self.topics.open(self._ctx, self._configure_sub)
+            self._register(sub, TOPICS, "")
+            self._register(monitor, TOPICS_MONITOR, "")
+            self.topics.bind()
         for spec in self.fleet.specs.values():
             self._open_worker(spec)
 
-    def _open_worker(self, spec: WorkerSpec) -> None:
+    def _configure_sub(self, sub: zmq.Socket) -> None:
         ivl, ivl_max = self._reconnect
-        sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
         sub.setsockopt(zmq.RECONNECT_IVL, ivl)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, ivl_max)
@@ -238,6 +245,14 @@ class Subscriber:
             sub.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
             sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
             sub.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
+
+    def _open_worker(self, spec: WorkerSpec) -> None:
+        if self.topics is not None and self.topics.scheme.feeds(spec):
+            # Its events come on the shared SUB: nothing to open; what it sent meanwhile, now.
+            self.topics.joined(spec, self._deliver_topic)
+            return
+        sub = self._ctx.socket(zmq.SUB)
+        self._configure_sub(sub)
         sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
         monitor = sub.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -260,6 +275,8 @@ class Subscriber:
         for sock in socks:
             self._unregister(sock)
         self._dealers.pop(worker, None)
+        if self.topics is not None:
+            self.topics.departed(worker)
         self._connected_once.discard(worker)
         self._disconnected.discard(worker)
 
@@ -274,6 +291,8 @@ class Subscriber:
         "never" (no connection yet) or "unopened" (its socket could not be opened)."""
         if worker in self.unopened:
             return "unopened"
+        if self.topics is not None and worker in self.fleet.specs and self.topics.scheme.feeds(self.fleet.specs[worker]):
+            return self.topics.connection(worker)
         if worker not in self._connected_once:
             return "never"
         return "disconnected" if worker in self._disconnected else "connected"
@@ -337,7 +356,7 @@ class Subscriber:
     def _close(self) -> None:
         for sock in list(self._roles):
             role, _, _ = self._roles[sock]
-            if role == SUB:
+            if role in (SUB, TOPICS):
                 try:
                     sock.disable_monitor()
                 except zmq.ZMQError:
@@ -409,10 +428,18 @@ class Subscriber:
         roles, by_fd = self._roles, self._by_fd
         socks = set(self._pending)
         socks.update(sock for fd, _ in self._epoll.poll(0) if (sock := by_fd.get(fd)) is not None)
-        return {roles[sock][1] for sock in socks if sock in roles and roles[sock][0] == SUB}
+        unread = {roles[sock][1] for sock in socks if sock in roles and roles[sock][0] == SUB}
+        if self.topics is not None and self.topics.sub in socks:  # the shared SUB: any of them
+            feeds = self.topics.scheme.feeds
+            unread.update(w for w, spec in self.fleet.specs.items() if feeds(spec))
+        return unread
 
     def _drain(self, sock: zmq.Socket) -> None:
         role, worker, request_id = self._roles[sock]
+        if role in (TOPICS, TOPICS_MONITOR):  # the monitor is read with every message
+            if self.topics.drain(self._deliver_topic, MAX_MESSAGES_PER_SOCKET):
+                self._pending.add(self.topics.sub)
+            return
         if role != MONITOR and self._recv_messages is not None:
             try:
                 messages = self._recv_messages(sock.underlying, MAX_MESSAGES_PER_SOCKET)
@@ -448,6 +475,9 @@ class Subscriber:
             self.recorder.write(RecordedMessage(now, worker, role, frames, request_id))
         for replay in self.fleet.on_message(worker, role, frames, now, request_id):
             self._send_replay(worker, replay)
+
+    def _deliver_topic(self, worker: str, role: str, frames: list[bytes]) -> None:
+        self._deliver(self.topics.sub, worker, role, frames, None)
 
     def _monitor_fact(self, worker: str, event: dict) -> list[bytes] | None:
         kind = event["event"]

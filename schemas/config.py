@@ -192,7 +192,7 @@ class FleetDnsConfig(_Section):
     answers with one address per ready pod (collectors/membership_dns.py)."""
 
     name: str  # e.g. "vllm-engines.serving.svc.cluster.local"
-    interval_s: float = 5.0  # re-resolved this often
+    interval_s: float = 1.0  # re-resolved this often
     timeout_s: float = 2.0  # one resolution's deadline (capped at interval_s)
     nameserver: str | None = None  # "host:port"; None: the system's (/etc/resolv.conf, search domains)
     record: Literal["A", "AAAA"] = "A"  # one family: a dual-stack pod is one engine, not two
@@ -210,13 +210,19 @@ class FleetDnsConfig(_Section):
 
 class FleetTopicsConfig(_Section):
     """[fleet.topics]: publishers that connect out (as llm-d deploys vLLM) to one SUB kvmiss
-    binds; each worker is known by the fields of its topic (collectors/membership_topics.py)."""
+    binds; a message's topic says whose it is (collectors/membership_topics.py)."""
 
-    bind: str  # e.g. "tcp://*:5557"
-    topic_template: str  # e.g. "kv@{pod}@{model}": every field but {model} names the worker
-    id: str  # a template over the topic's fields (and {dp_rank}, from each batch), e.g. "{pod}"
-    replay_endpoint: str | None = None  # a template over the same fields, e.g. "tcp://{pod}.engines:5558"
-    subscribe: str = ""  # SUB prefix filter, e.g. "kv@"
+    bind: str  # where kvmiss's SUB binds, e.g. "tcp://*:5557"; the engines' endpoint points here
+    topic_template: str  # the engines' topic, e.g. "kv@{pod}@{model}"
+    id: str  # the worker id, a template over the topic's fields, e.g. "{pod}" (what spans name)
+    # The worker's replay endpoint, a template over the fields ``id`` uses, e.g. "tcp://{pod}:5558"
+    replay_endpoint: str | None = None
+    # Who the members are. "announced": a worker joins with its first message and departs only
+    # when kvmiss is told (never by silence: see docs/FLEET.md). "listed": the members are the
+    # workers [fleet.dns] resolves (or [fleet] file lists with this bind endpoint); a message
+    # from a worker not listed is dropped and counted.
+    members: Literal["announced", "listed"] = "announced"
+    max_workers: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024  # "announced": beyond, refused
 
 
 class FleetConfig(_Section):
@@ -230,6 +236,8 @@ class FleetConfig(_Section):
     # Bound on how far apart two replicas' observations of one change may be (each polls on
     # its own): the proof rules treat a lookup this close to a join or departure as uncertain.
     membership_uncertainty_s: float = 2.0
+    dns: FleetDnsConfig | None = None  # [fleet.dns]
+    topics: FleetTopicsConfig | None = None  # [fleet.topics]
 
 
 class Config(_Section):
@@ -383,6 +391,20 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: fleet.membership_uncertainty_s must be a finite number of seconds >= "
                           f"fleet.poll_interval_s ({fleet.poll_interval_s:g}: one replica may see a change a "
                           f"whole poll later than another), got {fleet.membership_uncertainty_s}")
+    if fleet.dns is not None:
+        check_fleet_dns(fleet.dns, source)
+        # Two replicas resolve on their own schedules: one may see an answer a whole interval
+        # (and a poll) after the other.
+        if fleet.membership_uncertainty_s < fleet.dns.interval_s + fleet.poll_interval_s:
+            raise ConfigError(f"{source}: fleet.membership_uncertainty_s ({fleet.membership_uncertainty_s:g}) must "
+                              f"be at least fleet.dns.interval_s + fleet.poll_interval_s "
+                              f"({fleet.dns.interval_s + fleet.poll_interval_s:g}), plus the DNS server's TTL: "
+                              "replicas resolve the name at different moments")
+    if fleet.topics is not None:
+        check_fleet_topics(fleet.topics, source)
+        if fleet.topics.members == "listed" and fleet.dns is None and fleet.file is None:
+            raise ConfigError(f"{source}: fleet.topics.members = \"listed\" needs [fleet.dns] or fleet.file "
+                              "to list the members")
 
 
 # --- [fleet.dns] and [fleet.topics] ---------------------------------------------------------
@@ -441,3 +463,26 @@ def check_fleet_dns(dns: FleetDnsConfig, source: str) -> None:
         raise ConfigError(f"{source}: fleet.dns.id must contain {{ip}} or {{host}}: one worker per address")
     if dns.dp_size > 1 and "dp_rank" not in template_fields("", dns.id):
         raise ConfigError(f"{source}: fleet.dns.id must contain {{dp_rank}} when dp_size > 1")
+
+
+def check_fleet_topics(topics: FleetTopicsConfig, source: str) -> None:
+    """[fleet.topics]'s own rules: fields named once each, ``id`` and ``replay_endpoint``
+    over the topic's fields (the replay endpoint over ``id``'s alone, so a listed worker's is
+    known before its first message)."""
+    if not topics.bind.strip():
+        raise ConfigError(f"{source}: fleet.topics.bind must be an endpoint, e.g. \"tcp://*:5557\"")
+    fields = template_fields(f"{source}: fleet.topics.topic_template", topics.topic_template)
+    if not fields:
+        raise ConfigError(f"{source}: fleet.topics.topic_template must have a field naming the worker, "
+                          "e.g. \"kv@{pod}@{model}\"")
+    if len(set(fields)) != len(fields):
+        raise ConfigError(f"{source}: fleet.topics.topic_template names a field twice: {topics.topic_template!r}")
+    parts = list(string.Formatter().parse(topics.topic_template))
+    if any(literal == "" and i > 0 for i, (literal, _, _, _) in enumerate(parts)):
+        raise ConfigError(f"{source}: fleet.topics.topic_template: two fields need text between them "
+                          f"(where would one end?): {topics.topic_template!r}")
+    id_fields = template_fields(f"{source}: fleet.topics.id", topics.id, frozenset(fields))
+    if not id_fields:
+        raise ConfigError(f"{source}: fleet.topics.id must use a field of the topic, e.g. \"{{{fields[0]}}}\"")
+    if topics.replay_endpoint is not None:
+        template_fields(f"{source}: fleet.topics.replay_endpoint", topics.replay_endpoint, frozenset(id_fields))

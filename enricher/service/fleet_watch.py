@@ -103,6 +103,10 @@ class FleetWatch:
             self._task = asyncio.get_running_loop().create_task(self._forever(), name="kvmiss-fleet-watch")
 
     async def shutdown(self) -> None:
+        for source in self.sources:
+            close = getattr(source, "close", None)  # a resolution in flight (DNS)
+            if close is not None:
+                close()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -33,6 +33,8 @@ NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
 # Why an OTLP request was answered with an error before any of its spans was read (a fixed
 # set: the receiver's ``requests_<reason>`` counters).
 OTLP_REQUEST_REFUSALS = ("unsupported_media_type", "unsupported_encoding", "too_large", "malformed", "body_timeout")
+DNS_OUTCOMES = ("addresses", "empty", "failed")  # collectors/membership_dns.py Outcome
+TOPIC_DROPS = ("unmatched", "unlisted", "refused", "held_dropped")  # collectors/topic_feed.py
 # Why a request record was not written (RequestRecords.dropped).
 REQUEST_RECORD_DROPS = ("queue_full", "write_error", "shut_down")
 # The same for the metrics endpoint, which serves GETs only.
@@ -57,6 +59,8 @@ class KvmissCollector(Collector):
         aged_out: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
         records: RequestRecords | None = None,
         fleet: tuple[FleetStats, Callable[[], Mapping[MemberState, int]]] | None = None,
+        dns_outcomes: Callable[[], Mapping[str, int]] | None = None,
+        topic_drops: Callable[[], Mapping[str, int]] | None = None,
     ):
         self.stats = stats
         self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
@@ -68,6 +72,8 @@ class KvmissCollector(Collector):
         self.aged_out = aged_out  # (blocks remembered, their bytes, blocks forgotten so far)
         self.records = records  # the request-records file writer, when [export] request_records is set
         self.fleet = fleet  # membership counters, and the members by state (Service.member_states)
+        self.dns_outcomes = dns_outcomes  # [fleet.dns]: resolutions by outcome
+        self.topic_drops = topic_drops  # [fleet.topics]: messages not applied, by reason
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
 
@@ -110,6 +116,25 @@ class KvmissCollector(Collector):
                                       "Seconds from a worker's join being seen to its first batch applied.")
         first.add_metric([], h.cumulative(), h.sum)
         yield from (workers, joins, departures, refused, first)
+        if self.dns_outcomes is not None:
+            resolutions = CounterMetricFamily(
+                "kvmiss_fleet_dns_resolutions", "[fleet.dns] resolutions by outcome: addresses, empty (NXDOMAIN "
+                "or no records: the members depart after empty_grace_s), failed (no answer: nothing departs).",
+                labels=["outcome"])
+            outcomes = self.dns_outcomes()
+            for outcome in DNS_OUTCOMES:
+                resolutions.add_metric([outcome], outcomes.get(outcome, 0))
+            yield resolutions
+        if self.topic_drops is not None:
+            dropped = CounterMetricFamily(
+                "kvmiss_fleet_topic_messages_dropped", "[fleet.topics] messages not applied, by reason: unmatched (the "
+                "topic does not fit topic_template), unlisted (members = \"listed\" and no source lists the worker), "
+                "refused (beyond max_workers), held_dropped (held for a join beyond the bound, or for one never applied).",
+                labels=["reason"])
+            drops = self.topic_drops()
+            for reason in TOPIC_DROPS:
+                dropped.add_metric([reason], drops.get(reason, 0))
+            yield dropped
 
     def _records(self) -> Iterator[Metric]:
         """The request-records file ([export] request_records): what was written, and what

@@ -23,7 +23,9 @@ from kvmiss.collectors.continuity import Apply, Cursor, StreamAction, StreamConf
 from kvmiss.collectors.fleet import Fleet
 from kvmiss.collectors.frames import READER_COMPILED
 from kvmiss.collectors.membership import FleetMembers, build_sources
+from kvmiss.collectors.membership_topics import Announcements, TopicScheme
 from kvmiss.collectors.subscriber import Subscriber
+from kvmiss.collectors.topic_feed import TopicFeed
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError
 from kvmiss.enricher.core.index import ResidencyIndex
@@ -97,7 +99,10 @@ class Service:
         self.config = config
         self.clock = clock
         history = config.history
-        sources = build_sources(config.fleet)  # membership that may change at run time ([fleet])
+        self.announcements = (Announcements(config.fleet.topics.max_workers) if config.fleet.topics is not None
+                              and config.fleet.topics.members == "announced" else None)
+        # Membership that may change at run time ([fleet])
+        sources = build_sources(config.fleet, self.announcements)
         self.index = ResidencyIndex([w.id for w in config.workers],
                                     retention_s=history.retention_s,
                                     aged_out_horizon_s=history.aged_out_horizon_s,
@@ -122,9 +127,15 @@ class Service:
                            config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None,
                                                clock_window_s=history.clock_skew_window_s),
                            max_tail_probes=history.tail_probes_in_flight)
+        # [fleet.topics]: publishers that connect out to one bound SUB; with members =
+        # "announced" the collector thread reports who spoke and a membership source hands it on.
+        topics = config.fleet.topics
+        self.topic_feed = (None if topics is None
+                           else TopicFeed(TopicScheme(topics), self.fleet, self.announcements))
         self.subscriber = Subscriber(self.fleet, clock=clock,
                                      heartbeat_interval_s=config.collector.heartbeat_interval_s,
-                                     heartbeat_timeout_s=config.collector.heartbeat_timeout_s)
+                                     heartbeat_timeout_s=config.collector.heartbeat_timeout_s,
+                                     topics=self.topic_feed)
         # Membership that changes at run time ([fleet]): sources polled on the loop, their
         # changes applied by `apply_fleet_change`.
         self.fleet_stats = FleetStats()
@@ -165,6 +176,7 @@ class Service:
                         "was not built (no C compiler at install time, or KVMISS_PURE_PYTHON_INGEST=1): about "
                         "twice the CPU per event (benchmarks/RESULTS.md). Reinstall kvmiss with a C compiler present. !!!")
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there
+        dns = next((s for s in self.fleet_watch.sources if s.name == "dns"), None)
         self.registry = CollectorRegistry()
         self.health = HealthEndpoint(self.registry, self.ready)  # /metrics, /healthz, /readyz
         self.registry.register(KvmissCollector(
@@ -174,7 +186,9 @@ class Service:
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
             endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed)),
             fleet=(self.fleet_stats, self.member_states),
-            aged_out=lambda: (*self.index.aged_out_remembered(), self.index.aged_out_forgotten)))
+            aged_out=lambda: (*self.index.aged_out_remembered(), self.index.aged_out_forgotten),
+            dns_outcomes=None if dns is None else lambda: {o.value: n for o, n in dns.outcomes.items()},
+            topic_drops=None if self.topic_feed is None else lambda: dict(self.topic_feed.counts)))
         self._ticker: asyncio.Task | None = None
         self._stopping = False
 

@@ -36,11 +36,13 @@ def load_kv_events():
 
 
 def publisher(*, endpoint: str, replay_endpoint: str | None, dp_rank: int = 0,
-              buffer_steps: int = 10_000, topic: str = "kv@pod-a@demo"):
+              buffer_steps: int = 10_000, topic: str = "kv@pod-a@demo", bind: bool = True):
+    """``bind=False``: the PUB connects out to ``endpoint`` (a SUB bound there), as llm-d
+    deploys vLLM; the replay ROUTER binds either way."""
     kv_events = load_kv_events()
     return kv_events.ZmqEventPublisher(
         attn_dp_rank=dp_rank, endpoint=endpoint, replay_endpoint=replay_endpoint,
-        buffer_steps=buffer_steps, topic=topic, bind=True,
+        buffer_steps=buffer_steps, topic=topic, bind=bind,
     )
 
 

@@ -74,7 +74,24 @@ def config_sections() -> dict[str, type[msgspec.Struct]]:
         kind = typing.get_args(field.type)[0] if typing.get_origin(field.type) is list else field.type
         assert isinstance(kind, type) and issubclass(kind, msgspec.Struct), field
         sections[field.name] = kind
+        for sub, sub_kind in _subsections(kind):  # e.g. [fleet.dns]: a table inside a table
+            sections[f"{field.name}.{sub}"] = sub_kind
     return sections
+
+
+def _subsections(kind: type[msgspec.Struct]) -> list[tuple[str, type[msgspec.Struct]]]:
+    out = []
+    for field in msgspec.structs.fields(kind):
+        for arg in (field.type, *typing.get_args(field.type)):
+            if isinstance(arg, type) and issubclass(arg, msgspec.Struct):
+                out.append((field.name, arg))
+    return out
+
+
+def section_keys(kind: type[msgspec.Struct]) -> list[str]:
+    """A section's own keys (its sub-tables are sections of their own)."""
+    subs = {name for name, _ in _subsections(kind)}
+    return [field.name for field in msgspec.structs.fields(kind) if field.name not in subs]
 
 
 def example_lines() -> dict[str, list[str]]:
@@ -82,7 +99,8 @@ def example_lines() -> dict[str, list[str]]:
     sections: dict[str, list[str]] = {}
     current: list[str] = []
     for line in EXAMPLE.read_text().splitlines():
-        header = re.fullmatch(r"\[\[?(\w+)\]\]?\s*(#.*)?", line)
+        # A table inside a table ([fleet.dns]) may be shown commented out, as optional ones are.
+        header = re.fullmatch(r"\[\[?(\w+)\]\]?\s*(#.*)?", line) or re.fullmatch(r"#\s?\[(\w+\.\w+)\]\s*(#.*)?", line)
         if header:
             current = sections.setdefault(header[1], [])
         else:
@@ -95,8 +113,7 @@ def key_line(lines: list[str], key: str) -> str | None:
     return next((line for line in lines if re.match(rf"#?\s*{key}\s*=", line)), None)
 
 
-SCHEMA_KEYS = [(section, field.name) for section, kind in config_sections().items()
-               for field in msgspec.structs.fields(kind)]
+SCHEMA_KEYS = [(section, key) for section, kind in config_sections().items() for key in section_keys(kind)]
 
 
 @pytest.mark.parametrize("section, key", SCHEMA_KEYS, ids=[f"{s}.{k}" for s, k in SCHEMA_KEYS])
@@ -124,7 +141,7 @@ def test_the_example_documents_no_key_the_schema_lacks():
 def test_the_readme_lists_every_config_section():
     readme = (EXAMPLE.parents[1] / "README.md").read_text()
     table = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^\| `\[\[?(\w+)\]\]?` \|", table, re.M))
+    listed = set(re.findall(r"^\| `\[\[?([\w.]+)\]\]?` \|", table, re.M))
     assert listed == set(config_sections())
 
 
