@@ -344,9 +344,13 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
     holders: list[Holder] = []
     unresolved: list[History] = [History.UNTRACKED for worker in unsubscribed if worker != chosen]
     unsettled: list[str] = []
-    margin = index.tail_margin_s
+    margin, membership = index.tail_margin_s, index.membership
+    changed = membership.spans or membership.released  # else every worker is a member at every t
     for worker in fleet.others(chosen, key, t):
-        found = _other_worker(index, worker, key, t, margin)
+        if changed and (worker in membership.spans or worker in membership.released):
+            found = _other_worker(index, worker, key, t, margin)
+        else:
+            found = _member_worker(index, worker, key, t, margin)
         cls = found.__class__
         if cls is Holder:
             holders.append(found)  # type: ignore[arg-type]
@@ -354,7 +358,8 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
             unsettled.append(str(found))
         elif found is not None:
             unresolved.append(found)  # type: ignore[arg-type]
-    return tuple(holders), tuple(unresolved), fleet.skewed_at(chosen, t), tuple(unsettled)
+    return (tuple(holders), tuple(unresolved), fleet.skewed_at(chosen, t) if fleet.skewed else (),
+            tuple(unsettled))
 
 
 def gather(

@@ -613,6 +613,11 @@ class ResidencyIndex:
         self.current: dict[str, EpochView] = {}
         self.previous: dict[str, collections.deque[EpochView]] = {}
         self.tracked: set[str] = set(workers)
+        # worker -> the lowest epoch number applied from now on: set when it rejoins (or is
+        # replaced), so nothing under an old epoch number -- a late batch of the old stream, or
+        # a new stream that did not number from `next_epoch` -- is merged into the old view.
+        self.epoch_floor: dict[str, int] = {}
+        self.stale_batches = 0  # refused: under an epoch below `epoch_floor`, or of a released worker
         self.prune_pending = False  # a limited `prune` stopped with more due
         self.aged_out_forgotten = 0  # aged-out blocks forgotten past the horizon, all views
         # Bumped by every change (apply, confirm_tail, prune): what is derived from the whole
@@ -628,6 +633,10 @@ class ResidencyIndex:
             # (A seq the view cannot hold -- 2^31 batches past its first, `SEQ_SPAN` -- is
             # months of a busy engine's batches, or garbage that passed continuity as a hole;
             # a fresh view keeps the flow without a guess.)
+            floor = self.epoch_floor.get(batch.worker) if self.epoch_floor else None
+            if (floor is not None and batch.epoch < floor) or batch.worker in self.membership.released:
+                self.stale_batches += 1  # (a released worker's stream is gone: nothing to hold)
+                return
             if view is not None and self.keep_previous_epochs > 0:
                 older = self.previous.setdefault(
                     batch.worker, collections.deque(maxlen=self.keep_previous_epochs))
@@ -658,8 +667,20 @@ class ResidencyIndex:
         for worker in change.departed:
             membership.depart(worker, change.at)
         for spec in change.joined:
-            if membership.join(spec, change.at) is not Joined.SAME:
+            joined = membership.join(spec, change.at)
+            if joined is not Joined.SAME:
                 self.tracked.add(spec.id)
+            if joined is Joined.REJOINED or joined is Joined.REPLACED:
+                self._seal(spec.id)
+
+    def _seal(self, worker: str) -> None:
+        """A worker back under its id: its current view becomes read-only at once, and only
+        epochs from `next_epoch` on are applied from now on."""
+        self.epoch_floor[worker] = self.next_epoch(worker)
+        view = self.current.pop(worker, None)
+        if view is not None and self.keep_previous_epochs > 0:
+            self.previous.setdefault(
+                worker, collections.deque(maxlen=self.keep_previous_epochs)).appendleft(view)
 
     def next_epoch(self, worker: str) -> int:
         """The first epoch number a new stream for ``worker`` must use: past every lifetime
@@ -678,6 +699,7 @@ class ResidencyIndex:
         for worker in gone:
             self.current.pop(worker, None)
             self.previous.pop(worker, None)
+            self.epoch_floor.pop(worker, None)
             self.tracked.discard(worker)
         return gone
 

@@ -62,7 +62,8 @@ class Membership:
         # True when a source other than the static list may change the fleet: then a worker
         # spans name before any source announced it may be a joiner (the pipeline waits).
         self.dynamic = dynamic
-        self._spans: dict[str, list[list[float]]] = {}  # worker -> [[joined, departed], ...]
+        # worker -> [[joined, departed], ...], oldest first; none for a member from the start
+        self.spans: dict[str, list[list[float]]] = {}
         self._rejoined: set[str] = set()  # members with an ended span before their current one
         self.specs: dict[str, WorkerSpec] = {}  # members' specs, as the sources gave them
         self.departed: dict[str, float] = {}  # not a member now -> when it left (kvmiss clock)
@@ -74,14 +75,14 @@ class Membership:
 
     def has_span(self, worker: str) -> bool:
         """Whether a change has given ``worker`` a membership span."""
-        return worker in self._spans
+        return worker in self.spans
 
     def is_member(self, worker: str) -> bool:
-        spans = self._spans.get(worker)
+        spans = self.spans.get(worker)
         return spans[-1][1] == INF if spans is not None else worker not in self.released
 
     def join(self, spec: WorkerSpec, at: float) -> Joined:
-        worker, spans = spec.id, self._spans.get(spec.id)
+        worker, spans = spec.id, self.spans.get(spec.id)
         self.released.pop(worker, None)
         if self.is_member(worker) and (spans is not None or worker in self.static):
             known = self.specs.get(worker)
@@ -89,7 +90,7 @@ class Membership:
                 self.specs[worker] = spec
                 return Joined.SAME
             self._close(worker, at)  # another engine under the same id: a new span
-            self._spans[worker].append([at, INF])
+            self.spans[worker].append([at, INF])
             self._rejoined.add(worker)
             self.specs[worker] = spec
             self.joins += 1
@@ -98,7 +99,7 @@ class Membership:
         self.specs[worker] = spec
         self.joins += 1
         if spans is None:
-            self._spans[worker] = [[at, INF]]
+            self.spans[worker] = [[at, INF]]
             return Joined.NEW
         self.departed.pop(worker, None)
         spans.append([max(at, spans[-1][1]), INF])
@@ -107,7 +108,7 @@ class Membership:
 
     def depart(self, worker: str, at: float) -> bool:
         """False when ``worker`` was not a member (nothing to do)."""
-        if not self.is_member(worker) or (worker not in self._spans and worker not in self.static):
+        if not self.is_member(worker) or (worker not in self.spans and worker not in self.static):
             return False
         self._close(worker, at)
         self.specs.pop(worker, None)
@@ -116,7 +117,7 @@ class Membership:
         return True
 
     def _close(self, worker: str, at: float) -> None:
-        spans = self._spans.setdefault(worker, [[-INF, INF]])
+        spans = self.spans.setdefault(worker, [[-INF, INF]])
         spans[-1][1] = max(at, spans[-1][0])
 
     def release(self, before: float) -> list[str]:
@@ -125,12 +126,12 @@ class Membership:
         gone = [w for w, at in self.departed.items() if at < before]
         for worker in gone:
             del self.departed[worker]
-            del self._spans[worker]
+            del self.spans[worker]
             self.released[worker] = before
             if len(self.released) > RELEASED_KEPT:
                 self.released.popitem(last=False)
         for worker in list(self._rejoined):
-            spans = self._spans.get(worker)
+            spans = self.spans.get(worker)
             if spans is None or spans[-1][1] != INF:
                 self._rejoined.discard(worker)  # departed again, or released: handled above
             elif spans[0][1] < before:
@@ -143,7 +144,7 @@ class Membership:
 
     def standing(self, worker: str, t: float) -> Standing:
         """The worker's place in the fleet at lookup time ``t`` (see the module docstring)."""
-        spans = self._spans.get(worker)
+        spans = self.spans.get(worker)
         if spans is None:
             return Standing.DEPARTED if worker in self.released else Standing.MEMBER
         if t != t:  # NaN: nothing can be placed
@@ -162,12 +163,12 @@ class Membership:
         departure plus the band; -inf once released); None for a member."""
         at = self.departed.get(worker)
         if at is None:
-            return -INF if worker in self.released and worker not in self._spans else None
+            return -INF if worker in self.released and worker not in self.spans else None
         return at + self.band_s
 
     def members(self) -> list[str]:
         """Members now that a source announced or the static list named (sorted)."""
-        named = self.static | self._spans.keys() | self.specs.keys()
+        named = self.static | self.spans.keys() | self.specs.keys()
         return sorted(w for w in named if self.is_member(w))
 
     def known_departed(self, worker: str) -> bool:
@@ -181,4 +182,4 @@ class Membership:
 
     @property
     def span_count(self) -> int:
-        return sum(len(spans) for spans in self._spans.values())
+        return sum(len(spans) for spans in self.spans.values())

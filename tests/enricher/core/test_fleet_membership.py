@@ -157,6 +157,8 @@ class TestRelease:
         index.prune(d + 100.0 + BAND + 1.0)
         assert "B" not in index.tracked and not index.views("B") and index.view_count == 1
         assert index.membership.known_departed("B") and "B" not in index.membership.members()
+        index.apply(WorkerFeed("B").batch(60))  # a stray late batch holds nothing again
+        assert "B" not in index.tracked and not index.views("B") and index.stale_batches == 1
 
     def test_memory_does_not_grow_with_churn(self):
         """A thousand workers join, publish and depart; with retention of 30 s and one change
@@ -327,3 +329,36 @@ class TestStreamsCreatedAtRunTime:
         self._join(index, ring_from=5, now=1000.0)
         (view,) = index.views("B")
         assert view.epoch == 0 and view.runs[0].start.name == "JOINED" and view.first_seq == 5
+
+
+class TestRejoinFencing:
+    """After a rejoin nothing under an old epoch number is applied: a late batch of the old
+    stream would extend the old lifetime past its departure, and a new stream that did not
+    number its epochs from `next_epoch` would be merged into the old view. Both are refused
+    and counted; the old view stays read-only as it was."""
+
+    def _rejoined(self):
+        index, b = ResidencyIndex(["A", "B"]), WorkerFeed("B")
+        for x in b.batches(range(0, 20), {4: [stored(H)]}):
+            index.apply(x)
+        depart(index, "B", b.ts(20))
+        join(index, "B", b.ts(30))
+        return index, b
+
+    def test_a_late_batch_of_the_old_stream_after_a_rejoin_is_refused(self):
+        index, b = self._rejoined()
+        index.apply(b.batch(20, removed(H)))
+        (old,) = index.views("B")
+        assert old.last_seq == 19 and index.stale_batches == 1
+
+    def test_a_new_stream_reusing_an_old_epoch_number_is_refused_not_merged(self):
+        index, b = self._rejoined()
+        reused = WorkerFeed("B", epoch=0, ts0=b.ts(31))
+        for x in reused.batches(range(0, 5)):
+            index.apply(x)
+        (old,) = index.views("B")
+        assert (old.epoch, old.last_seq, index.stale_batches) == (0, 19, 5)
+        fresh = WorkerFeed("B", epoch=index.next_epoch("B"), ts0=b.ts(36))
+        for x in fresh.batches(range(0, 5)):
+            index.apply(x)
+        assert [v.epoch for v in index.views("B")] == [1, 0] and index.stale_batches == 5
