@@ -1,12 +1,19 @@
 """Verdict latency: evidence gathering + verdict for one request, once its history is there.
 
     .venv/bin/python benchmarks/bench_verdict.py [--workers 8] [--blocks 100000] [--requests 20000]
+        [--joined 0] [--departed 0]
 
 A fleet of ``--workers`` epochs, each holding ``--blocks`` resident blocks with churn
 (evictions), a batch log of 50,000 steps; requests pick a worker and a first-miss block
 that is resident, evicted, elsewhere in the fleet or never stored. Times
 `Attributor.attribute` per request (evidence + verdict + keyed digest) and prints
 p50/p95/p99 in microseconds.
+
+A fleet that changes (docs/HISTORY.md, "Fleets that change"): ``--joined N`` of the workers
+are announced by a membership source (joined before every lookup: members with a span, so
+every fleet check asks their standing), and ``--departed N`` more workers, built the same
+way, left the fleet before every lookup (their views kept until retention; consulted for
+nothing). Requests choose among the members only, so the labels are the static fleet's.
 """
 
 from __future__ import annotations
@@ -19,18 +26,20 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.schemas.attribution import RequestFacts
+from kvmiss.schemas.config import WorkerSpec
 from kvmiss.schemas.events import BlockRemoved, BlockStored
+from kvmiss.schemas.fleet import FleetChange
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 STEPS = 50_000
 
 
-def build(workers: int, blocks: int, rng: random.Random):
-    index = ResidencyIndex([f"w{i}" for i in range(workers)], retention_s=1e9)
+def build(workers: range, blocks: int, rng: random.Random, index: ResidencyIndex | None = None):
+    index = index or ResidencyIndex([f"w{i}" for i in workers], retention_s=1e9)
     held: dict[str, list[int]] = {}
     evicted: dict[str, list[int]] = {}
     per_step = max(1, blocks // STEPS + 1)
-    for w in range(workers):
+    for w in workers:
         worker = f"w{w}"
         hashes = [rng.getrandbits(64) for _ in range(blocks)]
         held[worker], evicted[worker] = hashes, []
@@ -76,9 +85,22 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=100_000)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3, help="passes over the requests; the quietest is kept")
+    parser.add_argument("--joined", type=int, default=0, help="of --workers, how many a source announced")
+    parser.add_argument("--departed", type=int, default=0, help="workers besides --workers that left the fleet")
     args = parser.parse_args()
     rng = random.Random(11)
-    index, held, evicted = build(args.workers, args.blocks, rng)
+    total = args.workers + args.departed
+    static = args.workers - args.joined
+    index = ResidencyIndex([f"w{i}" for i in range(static)], retention_s=1e9)
+    before = 1000.0 + STEPS * 0.5 * 0.01 - 10.0  # 10 s before the first lookup
+    if args.joined:  # announced before their first batch, as a source does
+        index.apply_fleet_change(FleetChange(at=before, source="file", joined=tuple(
+            WorkerSpec(id=f"w{i}", endpoint=f"tcp://10.0.0.1:{6000 + i}") for i in range(static, args.workers))))
+    index, held, evicted = build(range(args.workers), args.blocks, rng, index)
+    if args.departed:  # (the requests are drawn as without them: the labels stay the static fleet's)
+        build(range(args.workers, total), args.blocks, random.Random(12), index)
+        index.apply_fleet_change(FleetChange(
+            at=before, source="file", departed=tuple(f"w{i}" for i in range(args.workers, total))))
     attributor = Attributor(index, DigestKey("bench-verdict-secret-0001"))
     reqs = requests(args.workers, args.requests, held, evicted, rng)
     passes = []
@@ -94,7 +116,8 @@ def main() -> None:
         passes.append((percentiles(wall), percentiles(cpu), labels))
     wall_pct, cpu_pct, labels = min(passes, key=lambda p: p[0][0.99])
     print(f"{args.workers} workers x {args.blocks:,} blocks, {STEPS:,} steps each; {args.requests:,} requests, "
-          f"best of {args.repeat} passes by wall-clock p99")
+          f"best of {args.repeat} passes by wall-clock p99"
+          + (f"; {args.joined} joined, {args.departed} departed" if args.joined or args.departed else ""))
     print("labels: " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())))
     for name, pct in (("wall-clock", wall_pct), ("thread CPU", cpu_pct)):
         print(f"verdict latency ({name}): p50 {pct[0.5]:.1f} us, p95 {pct[0.95]:.1f} us, p99 {pct[0.99]:.1f} us")
