@@ -112,7 +112,7 @@ class Membership:
             return False
         self._close(worker, at)
         self.specs.pop(worker, None)
-        self.departed[worker] = at
+        self.departed[worker] = self.spans[worker][-1][1]  # (never before its join: see `_close`)
         self.departures += 1
         return True
 

@@ -362,3 +362,15 @@ class TestRejoinFencing:
         for x in fresh.batches(range(0, 5)):
             index.apply(x)
         assert [v.epoch for v in index.views("B")] == [1, 0] and index.stale_batches == 5
+
+
+def test_a_departure_observed_before_the_join_it_follows_ends_at_the_join():
+    """Two sources' changes applied out of order (a departure stamped before the rejoin it
+    follows): the span is never negative, and the fleet view and the standing agree on when
+    the worker left (found by test_fleet_round's random fleets)."""
+    m = Membership(["A"], band_s=0.5)
+    m.depart("A", 10.0)
+    m.join(spec("A"), 20.0)
+    m.depart("A", 19.0)
+    assert m.spans["A"][-1] == [20.0, 20.0] and m.departed_until("A") == 20.5
+    assert m.standing("A", 20.4) is Standing.UNSETTLED and m.standing("A", 20.6) is Standing.DEPARTED
