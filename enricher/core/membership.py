@@ -166,6 +166,12 @@ class Membership:
             return -INF if worker in self.released and worker not in self.spans else None
         return at + self.band_s
 
+    def joined_at(self, worker: str) -> float | None:
+        """When a source announced the worker's current membership (None: a member from the
+        start, or not a member now)."""
+        spans = self.spans.get(worker)
+        return spans[-1][0] if spans is not None and spans[-1][1] == INF and spans[-1][0] != -INF else None
+
     def members(self) -> list[str]:
         """Members now that a source announced or the static list named (sorted)."""
         named = self.static | self.spans.keys() | self.specs.keys()

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Protocol
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.membership import Standing
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.verdict import needs_index
 from kvmiss.enricher.otlp.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
@@ -169,6 +170,7 @@ class Pipeline:
         self._open: collections.deque[Assembly] = collections.deque()  # in arrival order
         self._ready: list[tuple[Assembly, RequestFacts, float]] = []  # waiting for history
         self._reach: list[tuple[float, str]] | None = None  # per poll: see `_fleet_reach`
+        self._joining: list[str] = []  # per poll, beside it: see `_fleet_reach`
         # So that a span arriving after its request was judged is not judged again: kept
         # while a partner may still come (the other side's spans up to assemble_wait_s late).
         self._judged = JudgedRequests(keep_s=2 * assemble_wait_s + history_wait_s)
@@ -415,14 +417,21 @@ class Pipeline:
         first-miss block, which leaves every label below routing_miss unprovable. A request
         that missed nothing reusable needs no fleet view. A worker that has proven nothing for
         more than the wait before t (down, or far behind) is not waited for: the wait would
-        not help; nor is one that departed the fleet (its stream is gone)."""
+        not help; nor is one that departed the fleet (its stream is gone). A worker that joined
+        within the wait and has no history yet is waited for where it counts at t."""
         if not needs_index(facts.prompt_tokens, facts.cached_tokens, facts.block_size, facts.transfers):
             return True  # hit, lookup_limit, or proven by its own spans: no index needed
         index, t = self.attributor.index, facts.lookup_time
         views = index.views(facts.worker) if facts.worker else []
         if not views or t is None or not index.reaches(views[0], t):
             return False
-        for through, worker in self._fleet_reach():  # least advanced first
+        reach = self._fleet_reach()
+        if self._joining:
+            standing = index.membership.standing
+            for worker in self._joining:
+                if worker != facts.worker and standing(worker, t) in (Standing.MEMBER, Standing.UNSETTLED):
+                    return False
+        for through, worker in reach:  # least advanced first
             if worker == facts.worker:
                 continue
             if through >= t:
@@ -434,14 +443,22 @@ class Pipeline:
     def _fleet_reach(self) -> list[tuple[float, str]]:
         """(engine time history is proven through, worker) of every tracked worker's current
         lifetime whose epoch is established, and that has not departed the fleet, least
-        advanced first; once per poll."""
+        advanced first; once per poll. Beside it, ``_joining``: members a source announced
+        less than the wait ago whose history has not begun (their stream is connecting or
+        replaying): an unresolved holder each, for which a wait may well help."""
         if self._reach is None:
             index = self.attributor.index
-            margin, departed = index.tail_margin_s, index.membership.departed
+            membership = index.membership
+            margin, departed = index.tail_margin_s, membership.departed
             self._reach = sorted(
                 (through, worker) for worker, view in index.current.items()
                 if view.epoch_certain and worker not in departed
                 and (through := view.reached_through(margin)) is not None)
+            now, current = self.clock(), index.current
+            self._joining = [
+                worker for worker in membership.specs
+                if worker not in current and (at := membership.joined_at(worker)) is not None
+                and now - at < self.history_wait_s] if membership.specs else []
         return self._reach
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:

@@ -87,3 +87,35 @@ def test_a_departed_worker_is_not_waited_for_nor_a_stranger_when_spans_name_it()
     assert "B" not in index.tracked
     asyncio.run(pipe.consume(export_request(miss("B", "late"))))
     assert attrs(sink.spans()[-1])["kvmiss.history"] == "untracked" and pipe.unsubscribed == {}
+
+
+def test_a_worker_that_just_joined_is_waited_for_so_its_history_can_rule_it_out():
+    index = a_followed(dynamic=True)  # A: continuous, H never stored
+    clock = Clock(1019.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0)
+    index.apply_fleet_change(FleetChange(at=1018.0, source="file",
+                                         joined=(WorkerSpec(id="C", endpoint="tcp://10.0.0.3:5557"),)))
+    asyncio.run(pipe.consume(export_request(miss("A", "on-a"))))
+    assert sink.spans() == []  # C, a member at t, joined 1 s ago and has no history yet: waited for
+    c = WorkerFeed("C", epoch=index.next_epoch("C"), ts0=1000.0)
+    for batch in c.batches(range(0, 30)):  # replayed from seq 0: C never held the block
+        index.apply(batch)
+    clock.t = 1020.5
+    pipe.poll()
+    assert [attrs(s)["kvmiss.label"] for s in sink.spans()] == ["no_match"]
+
+
+def test_a_joiner_whose_history_never_begins_is_waited_for_no_longer_than_the_wait_after_it_joined():
+    index = a_followed(dynamic=True)
+    clock = Clock(1016.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0)
+    index.apply_fleet_change(FleetChange(at=1015.0, source="file",
+                                         joined=(WorkerSpec(id="C", endpoint="tcp://10.0.0.3:5557"),)))
+    asyncio.run(pipe.consume(export_request(miss("A", "on-a"))))
+    clock.t = 1019.9
+    pipe.poll()
+    assert sink.spans() == []
+    clock.t = 1020.1
+    pipe.poll()
+    out = attrs(sink.spans()[0])
+    assert out["kvmiss.label"] == "unknown_history" and out["kvmiss.history"] == "lagging", out
