@@ -133,10 +133,10 @@ def test_a_connection_that_stops_carrying_bytes_is_noticed_only_with_heartbeats(
             while not noticed(caplog) and time.monotonic() < deadline:
                 time.sleep(0.02)
             took = time.monotonic() - held_at
-            assert noticed(caplog) == 1, "the held connection was never noticed"
-            assert took < 4 * heartbeat_s + 1.0, f"noticed after {took:.2f} s"
+            assert noticed(caplog) >= 1, "the held connection was never noticed"
+            assert took < 3.0, f"noticed after {took:.2f} s (interval + timeout: {4 * heartbeat_s:.1f} s)"
         else:
-            time.sleep(8 * 0.2)  # what the heartbeats above are given, and double
+            time.sleep(3.0)  # what the heartbeats above are given
             assert noticed(caplog) == 0
         relay.release()
         publish(5)

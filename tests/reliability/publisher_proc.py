@@ -3,13 +3,15 @@
 kvmiss's demo publisher (enricher/demo/publisher.py: vLLM 0.33's wire protocol on a real
 ZeroMQ PUB socket and ROUTER replay socket) driven by JSON lines on stdin; each batch
 handed to the publisher is reported on stdout as ``{"seq", "ts", "stored"}`` *after* the
-hand-over, i.e. what the engine has done, whether or not it reached the wire.
+hand-over, i.e. what the engine has done, whether or not it reached the wire, as
+``{"seq", "ts", "stored", "removed"}``.
 
     {"op": "publish", "stored": [...], "removed": [...], "cleared": false}
     {"op": "stream", "count": N, "interval_s": 0.001, "first_block": B}   one block per batch
+        with "window": W, batch i also removes block B + i - W: W blocks stay resident
     {"op": "exit"}
 
-Usage: python publisher_proc.py --pub-port P --replay-port R [--buffer-steps N] [--skew-s S]
+Usage: python publisher_proc.py --pub-port P --replay-port R [--host H] [--buffer-steps N] [--skew-s S]
 """
 
 from __future__ import annotations
@@ -51,15 +53,16 @@ def main() -> int:
     parser.add_argument("--replay-port", type=int, required=True)
     parser.add_argument("--buffer-steps", type=int, default=10_000)
     parser.add_argument("--skew-s", type=float, default=0.0)
+    parser.add_argument("--host", default="127.0.0.1", help="the address both sockets bind")
     args = parser.parse_args()
     ctx = zmq.Context()
     pub = Publisher(ctx, topic="kv@w0@m", buffer_steps=args.buffer_steps,
-                    pub_port=args.pub_port, replay_port=args.replay_port)
+                    pub_port=args.pub_port, replay_port=args.replay_port, host=args.host)
     pub.start()
     out = sys.stdout
 
-    def report(seq: int, ts: float, stored) -> None:
-        out.write(json.dumps({"seq": seq, "ts": ts, "stored": list(stored)}) + "\n")
+    def report(seq: int, ts: float, stored, removed=()) -> None:
+        out.write(json.dumps({"seq": seq, "ts": ts, "stored": list(stored), "removed": list(removed)}) + "\n")
         out.flush()
 
     out.write(json.dumps({"ready": True}) + "\n")
@@ -72,14 +75,16 @@ def main() -> int:
         if op == "publish":
             ts = time.time() + args.skew_s
             stored = command.get("stored", [])
-            seq = pub.publish(batch(ts, stored, command.get("removed", []), command.get("cleared", False)))
-            report(seq, ts, stored)
+            removed = command.get("removed", [])
+            seq = pub.publish(batch(ts, stored, removed, command.get("cleared", False)))
+            report(seq, ts, stored, removed)
         elif op == "stream":
-            first, interval = command["first_block"], command["interval_s"]
+            first, interval, window = command["first_block"], command["interval_s"], command.get("window")
             for i in range(command["count"]):  # bounded; the test usually kills us first
                 ts = time.time() + args.skew_s
-                seq = pub.publish(batch(ts, [first + i]))
-                report(seq, ts, [first + i])
+                removed = [first + i - window] if window and i >= window else []
+                seq = pub.publish(batch(ts, [first + i], removed))
+                report(seq, ts, [first + i], removed)
                 time.sleep(interval)
     pub.shutdown()
     ctx.term()

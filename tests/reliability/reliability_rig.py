@@ -18,9 +18,11 @@ an engine step and a lookup time, which only need to differ.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gzip
 import itertools
+import json
 import os
 import random
 import signal
@@ -33,7 +35,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import zmq
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -46,6 +48,7 @@ from zmq_ports import free_port
 
 from kvmiss.enricher.demo.publisher import Publisher
 
+HERE = Path(__file__).resolve().parent
 WAIT_S = 15.0  # deadline for any one condition on a loaded 2-core machine
 BLOCK = 16
 PARENT = 7  # block 0 of every test request: always "cached"
@@ -90,15 +93,16 @@ def kvmiss_config(*, http_port: int, grpc_port: int, metrics_port: int, sink_por
                   workers: dict[str, tuple[str, str | None]], max_pending_spans: int = 200_000,
                   wait_s: float = 2.0, assemble_wait_s: float = 2.0, retention_s: float = 600.0,
                   export_timeout_s: float = 5.0, history: dict | None = None,
-                  journal: str | None = None, journal_max_bytes: int | None = None) -> str:
+                  journal: str | None = None, journal_max_bytes: int | None = None,
+                  otlp_host: str = "127.0.0.1", collector: dict | None = None) -> str:
     blocks = []
     for worker, (endpoint, replay) in workers.items():
         blocks.append(f'[[workers]]\nid = "{worker}"\nendpoint = "{endpoint}"\n'
                       + (f'replay_endpoint = "{replay}"\n' if replay else ""))
     return f"""
 [otlp]
-grpc = "127.0.0.1:{grpc_port}"
-http = "127.0.0.1:{http_port}"
+grpc = "{otlp_host}:{grpc_port}"
+http = "{otlp_host}:{http_port}"
 max_pending_spans = {max_pending_spans}
 [export]
 endpoint = "http://127.0.0.1:{sink_port}"
@@ -114,7 +118,8 @@ listen = "127.0.0.1:{metrics_port}"
 wait_s = {wait_s}
 assemble_wait_s = {assemble_wait_s}
 retention_s = {retention_s}
-""" + "".join(f"{k} = {v}\n" for k, v in (history or {}).items()) + "".join(blocks)
+""" + "".join(f"{k} = {v}\n" for k, v in (history or {}).items()) + (
+    "[collector]\n" + "".join(f"{k} = {v}\n" for k, v in collector.items()) if collector else "") + "".join(blocks)
 
 
 class Metrics:
@@ -140,12 +145,13 @@ class Metrics:
 
 
 class Kvmiss:
-    """``kvmiss serve --config <file>`` as a child process on fixed loopback ports."""
+    """``kvmiss serve --config <file>`` as a child process on fixed loopback ports; under
+    ``prefix`` (``ip netns exec <ns>``: in another network namespace) if given."""
 
     _count = itertools.count()
 
     def __init__(self, config: str, workdir: Path, *, http_port: int, metrics_port: int,
-                 grpc_port: int | None = None):
+                 grpc_port: int | None = None, prefix: Sequence[str] = ()):
         self.http_port, self.metrics_port, self.grpc_port = http_port, metrics_port, grpc_port
         self.path = workdir / f"kvmiss-{next(self._count)}.toml"
         self.path.write_text(config)
@@ -153,7 +159,7 @@ class Kvmiss:
         self._serving = threading.Event()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(self.path)],
+            [*prefix, sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(self.path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, env=env, cwd=str(workdir))
         threading.Thread(target=self._read_log, daemon=True).start()
@@ -517,6 +523,79 @@ class Engines:
         for pub in self.pubs.values():
             pub.shutdown()
         self.ctx.term()
+
+
+class PublisherProcess:
+    """tests/reliability/publisher_proc.py as a child process (SIGKILL-able); every batch it
+    hands to its publisher is recorded into ``truth`` as worker ``worker``'s. ``prefix`` runs
+    it under another command (``ip netns exec <ns>``: in another network namespace) and
+    ``host`` is the address its sockets bind."""
+
+    def __init__(self, pub_port: int, replay_port: int, truth: Truth, worker: str = "w0", *,
+                 host: str = "127.0.0.1", prefix: Sequence[str] = ()):
+        self.truth, self.worker = truth, worker
+        self.reports: list[dict] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, str(HERE / "publisher_proc.py"), "--pub-port", str(pub_port),
+             "--replay-port", str(replay_port), "--host", host],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._ready.wait(20), "publisher process did not start"
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            report = json.loads(line)
+            if report.get("ready"):
+                self._ready.set()
+                continue
+            with self._cond:
+                self.reports.append(report)
+                self.truth.record(self.worker, report["ts"], report["stored"], report["removed"])
+                self._cond.notify_all()
+
+    def _command(self, **command) -> None:
+        self.proc.stdin.write(json.dumps(command) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def publish(self, stored=(), removed=()) -> dict:
+        with self._cond:
+            n = len(self.reports)
+        self._command(op="publish", stored=list(stored), removed=list(removed))
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.reports) > n, 10), "publisher did not answer"
+            return self.reports[n]
+
+    def stream(self, count: int, interval_s: float, first_block: int, window: int | None = None) -> None:
+        self._command(op="stream", count=count, interval_s=interval_s, first_block=first_block, window=window)
+
+    def wait_reports(self, n: int) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.reports) >= n, WAIT_S), "publisher stalled"
+
+    def last(self) -> dict:
+        with self._cond:
+            return self.reports[-1]
+
+    def report_at(self, ts: float) -> dict:
+        """The first batch stamped at or after ``ts`` (the last one if none is yet)."""
+        with self._cond:
+            i = bisect.bisect_left(self.reports, ts, key=lambda r: r["ts"])
+            return self.reports[min(i, len(self.reports) - 1)]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._command(op="exit")
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
 
 
 def wait_applied(kvmiss: Kvmiss, seqs: dict[str, int], timeout: float = WAIT_S) -> Metrics:

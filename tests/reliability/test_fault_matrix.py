@@ -16,13 +16,9 @@ Every wait has a deadline (reliability_rig.WAIT_S); each case takes 2-10 s on th
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -39,6 +35,7 @@ from reliability_rig import (
     WAIT_S,
     Engines,
     Kvmiss,
+    PublisherProcess,
     Sender,
     Sink,
     Spans,
@@ -56,8 +53,6 @@ from reliability_rig import (
 )
 
 from kvmiss.enricher.otlp.exporter import retry_info_delay
-
-HERE = Path(__file__).resolve().parent
 
 
 def sdk_spans(n: int, tag: str) -> list:
@@ -180,66 +175,6 @@ def test_exporter_down_then_back_buffers_within_the_bound_pushes_back_then_flush
 
 
 # --- 2. a publisher process killed while it is sending ---------------------------------------------
-
-
-class PublisherProcess:
-    """tests/reliability/publisher_proc.py as a child process (SIGKILL-able); every batch it
-    hands to its publisher is recorded into ``truth`` as worker ``worker``'s."""
-
-    def __init__(self, pub_port: int, replay_port: int, truth: Truth, worker: str = "w0"):
-        self.truth, self.worker = truth, worker
-        self.reports: list[dict] = []
-        self._cond = threading.Condition()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "publisher_proc.py"), "--pub-port", str(pub_port),
-             "--replay-port", str(replay_port)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        assert self._ready.wait(20), "publisher process did not start"
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            report = json.loads(line)
-            if report.get("ready"):
-                self._ready.set()
-                continue
-            with self._cond:
-                self.reports.append(report)
-                self.truth.record(self.worker, report["ts"], report["stored"])
-                self._cond.notify_all()
-
-    def _command(self, **command) -> None:
-        self.proc.stdin.write(json.dumps(command) + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-
-    def publish(self, stored=(), removed=()) -> dict:
-        with self._cond:
-            n = len(self.reports)
-        self._command(op="publish", stored=list(stored), removed=list(removed))
-        with self._cond:
-            assert self._cond.wait_for(lambda: len(self.reports) > n, 10), "publisher did not answer"
-            return self.reports[n]
-
-    def stream(self, count: int, interval_s: float, first_block: int) -> None:
-        self._command(op="stream", count=count, interval_s=interval_s, first_block=first_block)
-
-    def wait_reports(self, n: int) -> None:
-        with self._cond:
-            assert self._cond.wait_for(lambda: len(self.reports) >= n, WAIT_S), "publisher stalled"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._command(op="exit")
-                self.proc.wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
 
 
 def test_a_publisher_killed_mid_stream_leaves_correct_verdicts_or_honest_unknowns(rig):
