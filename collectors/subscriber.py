@@ -111,7 +111,9 @@ SOCKETS_PER_WORKER = 8
 # sends nothing after subscribing, so a connection whose packets are silently dropped (a
 # firewall, a lost route, a host gone) looks open forever; measured across network namespaces
 # (benchmarks/netns_halfopen.py), it was never noticed. A PING every interval and no reply within
-# the timeout close it, and ZeroMQ reconnects. The TTL asks the publisher to drop its end as well.
+# the timeout close it, and ZeroMQ reconnects. The TTL asks the publisher to drop its end as well;
+# a connect that gets no answer is given up after the same timeout and tried again, so that once
+# the path is back the next try is seconds away, not a SYN retransmit (1, 2, 4 ... 64 s) later.
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 4.0
 # The context's socket cap is fixed once its first socket exists: room for this many workers
@@ -245,6 +247,7 @@ class Subscriber:
             sub.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
             sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
             sub.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
+            sub.setsockopt(zmq.CONNECT_TIMEOUT, timeout_ms)
 
     def _open_worker(self, spec: WorkerSpec) -> None:
         if self.topics is not None and self.topics.scheme.feeds(spec):
