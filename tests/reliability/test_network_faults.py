@@ -169,8 +169,16 @@ class World:
         self.truth = Truth()
         self.sdk: SdkSender | None = None
         self.kvmiss: NsKvmiss | None = None
+        self.sink: Sink | None = None
         self.pubs: list[PublisherProcess] = []
         self.k = self.link.thread(self.link.kvmiss_ns)
+        try:
+            self._start(tmp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, tmp: Path) -> None:
         self.w0 = self._publisher("w0", self.link.engine_ns, ENGINE_ADDR, PUB_PORT, REPLAY_PORT)
         self.w1 = self._publisher("w1", self.link.kvmiss_ns, "127.0.0.1", W1_PUB, W1_REPLAY)
         self.sink = self.k.call(Sink, SINK_PORT)
@@ -229,10 +237,8 @@ class World:
             self.kvmiss.kill()
         for pub in self.pubs:
             pub.kill()
-        try:
+        if self.sink is not None:
             self.sink.stop()
-        except Exception:  # noqa: BLE001
-            pass
         self.link.close()
 
 
