@@ -18,8 +18,10 @@ Everything the sockets deliver goes to the `Fleet` (state machines) and, if a re
 given, to the recording first. Sink calls happen on this thread.
 
 The fleet may change while it runs: `change_fleet` (any thread) queues a `FleetChange`, and
-the loop carries it out between two polls (within `POLL_INTERVAL_S`): a departed worker's
-sockets are closed and its stream dropped, a joined worker's opened as at start-up.
+the loop carries it out between two polls (within `POLL_INTERVAL_S`): a joined worker's
+sockets are opened as at start-up; a departed worker's are closed and its stream dropped,
+after ``linger_s`` of following it still (a draining engine's history keeps reaching the
+lookups of the membership band).
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ class Subscriber:
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         topics: TopicFeed | None = None,
+        linger_s: float = 0.0,
     ):
         self.fleet = fleet
         self.topics = topics  # [fleet.topics]: one bound SUB for every publisher that connects out
@@ -171,6 +174,11 @@ class Subscriber:
         self._changes: collections.deque[FleetChange] = collections.deque()  # from any thread
         self.unopened: dict[str, str] = {}  # joined workers whose sockets failed to open: why
         self._last_reopen = float("-inf")
+        # A departed worker's stream is followed this long after its departure, then closed:
+        # its history keeps reaching the lookups of the membership band around the change
+        # (a draining engine's), so they can be judged. 0: closed at once.
+        self.linger_s = linger_s
+        self.lingering: dict[str, float] = {}  # departed worker -> when its sockets close
         self.ready = threading.Event()  # set once every socket is connected or bound
         self.error: Exception | None = None  # why the sockets could not be opened
         self.failed: Exception | None = None  # why the running loop stopped, if it did
@@ -304,16 +312,26 @@ class Subscriber:
         while self._changes:
             change = self._changes.popleft()
             for worker in change.departed:
-                self._close_worker(worker)
-                self.unopened.pop(worker, None)
-                self.fleet.remove(worker)
+                if self.linger_s > 0 and worker in self.fleet.streams and worker not in self.unopened:
+                    self.lingering.setdefault(worker, self.clock() + self.linger_s)
+                else:
+                    self._drop_worker(worker)
             for spec in change.joined:
-                if spec.id in self.fleet.streams:  # listed twice: the newer spec replaces it
-                    self._close_worker(spec.id)
-                    self.fleet.remove(spec.id)
+                if spec.id in self.fleet.streams:  # lingering, or listed twice: a new stream
+                    self._drop_worker(spec.id)
                 self.fleet.add(spec)
                 self._try_open(spec)
         self._due = self.fleet.next_deadline()
+
+    def _drop_worker(self, worker: str) -> None:
+        self.lingering.pop(worker, None)
+        self._close_worker(worker)
+        self.unopened.pop(worker, None)
+        self.fleet.remove(worker)
+
+    def _end_lingering(self, now: float) -> None:
+        for worker in [w for w, until in self.lingering.items() if until <= now]:
+            self._drop_worker(worker)
 
     def _try_open(self, spec: WorkerSpec) -> None:
         try:
@@ -415,6 +433,8 @@ class Subscriber:
         self._last_round = now
         if self.unopened and now - self._last_reopen >= REOPEN_INTERVAL_S:
             self._reopen(now)
+        if self.lingering:
+            self._end_lingering(now)
         unread = self._unread_workers()
         if self.recorder is not None:  # playback must run each timer at this same point
             for worker, stream in self.fleet.streams.items():

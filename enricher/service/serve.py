@@ -135,7 +135,8 @@ class Service:
         self.subscriber = Subscriber(self.fleet, clock=clock,
                                      heartbeat_interval_s=config.collector.heartbeat_interval_s,
                                      heartbeat_timeout_s=config.collector.heartbeat_timeout_s,
-                                     topics=self.topic_feed)
+                                     topics=self.topic_feed,
+                                     linger_s=self.linger_s(config) if sources else 0.0)
         # Membership that changes at run time ([fleet]): sources polled on the loop, their
         # changes applied by `apply_fleet_change`.
         self.fleet_stats = FleetStats()
@@ -276,6 +277,15 @@ class Service:
 
     # --- a fleet that changes ---------------------------------------------------------------
 
+    @staticmethod
+    def linger_s(config: Config) -> float:
+        """How long a departed worker's stream is still followed: through the membership band
+        after its departure, plus the reach of a tail probe's proof behind its send time and
+        one probe interval, so a draining engine's history covers every lookup of the band."""
+        history = config.history
+        return (config.fleet.membership_uncertainty_s + history.clock_skew_s + history.publish_delay_s
+                + history.tail_probe_interval_s)
+
     def apply_fleet_change(self, change: FleetChange) -> None:
         """Loop thread: a membership change, to the index (who may have held a block when)
         and then to the collector (whose sockets to open and close). Logged once, ids only.
@@ -325,6 +335,8 @@ class Service:
         self._forget_departed(now)
         counts = dict.fromkeys(MemberState, 0)
         for worker, stream in self.fleet.streams.items():
+            if worker in self._departed:
+                continue  # followed a little longer (`linger_s`), but departed
             connection = self.subscriber.connection(worker)
             if connection == "connected":
                 first = stream.health.batches_applied == 0 and stream.cursor in (Cursor.RECOVERING, Cursor.VERIFYING)
@@ -465,6 +477,8 @@ class Service:
         for worker in [w for w in self._unsettled if w not in streams]:
             del self._unsettled[worker]  # departed: its state is nobody's readiness
         for worker, stream in streams.items():
+            if worker in self._departed:
+                continue  # a departed worker followed a little longer (`linger_s`)
             state = "quarantined" if stream.quarantined else stream.cursor.name.lower()
             states[worker] = state
             if state in ("recovering", "verifying"):

@@ -184,3 +184,48 @@ def test_a_joined_worker_whose_socket_cannot_be_opened_is_listed_and_tried_again
     finally:
         sub.shutdown()
         holder.close(0)
+
+
+def test_a_departed_worker_is_followed_for_the_linger_then_closed(engines):
+    """``linger_s``: a draining engine's batches after its departure still reach the sink
+    (the index needs them for lookups of the membership band), and then its sockets close."""
+    a = engines("a")
+    sink = Sink()
+    fleet = Fleet([a.spec], sink, config=QUIET)
+    sub = Subscriber(fleet, linger_s=1.0)
+    sub.start()
+    try:
+        seen(sink, a, "a")
+        departed = time.monotonic()
+        sub.change_fleet(FleetChange(at=time.time(), source="file", departed=("a",)))
+        wait(lambda: "a" in sub.lingering, "a lingering")
+        seen(sink, a, "a", after=len(sink.of("a")))  # still applied after its departure
+        wait(lambda: "a" not in fleet.streams and sockets_of(sub, "a") == 0, "a closed after the linger")
+        assert time.monotonic() - departed >= 0.9
+        before = len(sink.of("a"))
+        for _ in range(10):
+            a.publish()
+        time.sleep(0.2)
+        assert len(sink.of("a")) == before and not sub.lingering
+    finally:
+        sub.shutdown()
+
+
+def test_a_lingering_worker_that_joins_again_is_a_new_stream_at_once(engines):
+    a = engines("a")
+    sink = Sink()
+    fleet = Fleet([a.spec], sink, config=QUIET)
+    sub = Subscriber(fleet, linger_s=30.0)
+    sub.start()
+    try:
+        seen(sink, a, "a")
+        old = fleet.streams["a"]
+        sub.change_fleet(FleetChange(at=time.time(), source="file", departed=("a",)))
+        sub.change_fleet(FleetChange(at=time.time(), source="file", joined=(a.spec,)))
+        wait(lambda: fleet.streams.get("a") is not old, "a new stream")
+        assert not sub.lingering and sockets_of(sub, "a") == 2  # one SUB and its monitor, not two
+        applied = len(sink.of("a"))
+        seen(sink, a, "a", after=applied)
+        assert min(e for e, _ in sink.of("a")[applied:]) > sink.of("a")[0][0]
+    finally:
+        sub.shutdown()
