@@ -461,8 +461,10 @@ class Truth:
         state = self._replay(worker, t)
         return state is not None and block in state[0]
 
-    def label(self, worker: str, block: int, t: float) -> str:
-        if any(self.held(other, block, t) for other in self.batches if other != worker):
+    def label(self, worker: str, block: int, t: float, members: Iterable[str] | None = None) -> str:
+        """``members``: the workers a router could choose at ``t`` (default: every engine)."""
+        if any(self.held(other, block, t) for other in (self.batches if members is None else members)
+               if other != worker):
             return "routing_miss"
         state = self._replay(worker, t)
         resident, ever = state if state is not None else (set(), set())
