@@ -73,6 +73,7 @@ class FleetWatch:
         self.clock = clock
         self.stats = stats if stats is not None else FleetStats()
         self._task: asyncio.Task | None = None
+        self._failing: set[str] = set()  # sources whose last poll raised
 
     async def poll_once(self) -> list[FleetChange]:
         """Ask every source once; apply and return the changes that were made."""
@@ -81,8 +82,14 @@ class FleetWatch:
             try:
                 answer = await source.poll()
             except Exception as exc:  # noqa: BLE001 - a source's bug must not stop the others
-                log.exception("fleet %s: polling %s failed (%s)", source.name, source.where, type(exc).__name__)
-                answer = None
+                if source.name not in self._failing:  # logged once until it answers again
+                    self._failing.add(source.name)
+                    log.exception("fleet %s: polling %s failed (%s); its last good fleet stays",
+                                  source.name, source.where, type(exc).__name__)
+                continue
+            if source.name in self._failing:
+                self._failing.discard(source.name)
+                log.info("fleet %s: polling %s works again", source.name, source.where)
             if answer is None:
                 continue
             if isinstance(answer, Desired):
