@@ -294,19 +294,17 @@ def _other_worker(index: ResidencyIndex, worker: str, key: int, t: float,
     """One other worker (its clock in bound): a holder of H at t, why it cannot be ruled
     out, or None when it provably did not hold H or was not a fleet member at t.
 
-    Membership (enricher/core/membership.py): clearly after its departure it is nothing;
-    within a change's band, holding or maybe holding H leaves it unsettled (it can neither
-    prove routing_miss nor be ruled out); clearly before it (re)joined, only a proven hold
-    counts, as unsettled: it means the router was choosing it before kvmiss saw the join."""
+    Membership (enricher/core/membership.py): clearly after its departure it is nothing.
+    Within a change's band, and before it (re)joined, its membership at t is not
+    established: holding or maybe holding H leaves it unsettled (it can neither prove
+    routing_miss nor be ruled out); only a proof that it did not hold H rules it out."""
     standing = index.membership.standing(worker, t)
     if standing is Standing.MEMBER:
         return _member_worker(index, worker, key, t, margin)
     if standing is Standing.DEPARTED:
         return None
     found = _member_worker(index, worker, key, t, margin)
-    if found is None or (standing is Standing.NOT_YET and found.__class__ is not Holder):
-        return None
-    return _Unsettled(worker)
+    return None if found is None else _Unsettled(worker)
 
 
 def _member_worker(index: ResidencyIndex, worker: str, key: int, t: float,

@@ -15,9 +15,11 @@ cover the source's delay and the engines' clock skew). At a lookup time t a work
     that proves ``routing_miss`` nor one that can be ruled out without proof of absence;
   * ``DEPARTED``: clearly after its last departure, with no later join -- not a candidate
     holder at all (it cannot be chosen, and it never needs ruling out);
-  * ``NOT_YET``: clearly outside every span, with a join after t -- not a candidate, but a
-    block it provably held then means it was being routed to before kvmiss saw it join
-    (the source was late by more than the band), so such a hold is unresolved, not ignored.
+  * ``NOT_YET``: clearly outside every span, with a join after t. A source says when kvmiss
+    learned of a member, not since when it was one (a file read at start-up names workers
+    that were members long before), so its membership at t is not established: like
+    ``UNSETTLED``, it neither proves ``routing_miss`` nor is ruled out without proof of
+    absence (a block it held then would mean the router was choosing it already).
 
 docs/HISTORY.md, "Fleets that change", states the rules and their tests. Pure: no clocks,
 times are arguments.

@@ -429,7 +429,7 @@ class Pipeline:
         if self._joining:
             standing = index.membership.standing
             for worker in self._joining:
-                if worker != facts.worker and standing(worker, t) in (Standing.MEMBER, Standing.UNSETTLED):
+                if worker != facts.worker and standing(worker, t) is not Standing.DEPARTED:
                     return False
         for through, worker in reach:  # least advanced first
             if worker == facts.worker:

@@ -248,9 +248,9 @@ class TestJoin:
         assert judge(index, request("A", a.ts(15))).label is Label.EVICTED  # C proven empty then
         assert judge(index, request("A", a.ts(50))).label is Label.UNKNOWN_HISTORY
 
-    def test_before_it_joined_a_worker_counts_only_by_a_proven_hold_and_then_as_unsettled(self):
-        # C's engine ran from ts 1000 and is followed from seq 0 (its ring held it), but it
-        # joined the fleet at ts 1040.
+    def test_before_it_joined_a_worker_is_ruled_out_only_by_its_history(self):
+        # C's engine ran from ts 1000 and is followed from seq 0 (its ring held it), but a
+        # source announced it at ts 1040: before, it held H, or provably never did.
         for holds, expected in ((True, Label.UNKNOWN_HISTORY), (False, Label.EVICTED)):
             index, a, b = a_evicts_b_holds()
             depart(index, "B", a.ts(5))
@@ -260,6 +260,23 @@ class TestJoin:
                 index.apply(x)
             v = judge(index, request("A", a.ts(20)))  # clearly before the join
             assert v.label is expected and v.holders == 0, (holds, v)
+            assert holds == ("membership" in v.reason)
+
+    def test_a_worker_announced_with_history_unknown_before_its_join_is_not_ignored_then(self):
+        """A file read at start-up names C, an engine running long before, followed from a
+        joined run (its ring had moved on): whether it held H before is unknown, and so is
+        whether it was a member -- never taken as absent (that would let A's eviction stand
+        where C may have held H: routing_miss)."""
+        index, a, b = a_evicts_b_holds()
+        depart(index, "B", a.ts(5))
+        join(index, "C", a.ts(40))
+        c = WorkerFeed("C", ts0=1000.0)
+        for x in c.batches(range(30, 60)):  # first seen at seq 30: a joined run
+            index.apply(x)
+        v = judge(index, request("A", a.ts(20)))
+        assert v.label is Label.UNKNOWN_HISTORY and "membership" in v.reason, v
+        after = judge(index, request("A", a.ts(50)))  # a member then, its history as unknown as ever
+        assert after.label is Label.UNKNOWN_HISTORY and "membership" not in after.reason, after
 
     def test_a_joiner_is_a_candidate_holder_once_past_the_band(self):
         index, a, b = a_evicts_b_holds()
