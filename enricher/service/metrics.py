@@ -9,7 +9,7 @@ exemplars (OpenMetrics exposition), which link a label's counter to one of its t
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Container, Iterable, Iterator, Mapping
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -59,6 +59,7 @@ class KvmissCollector(Collector):
         aged_out: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
         records: RequestRecords | None = None,
         fleet: tuple[FleetStats, Callable[[], Mapping[MemberState, int]]] | None = None,
+        recently_departed: Callable[[], Container[str]] = frozenset,
         dns_outcomes: Callable[[], Mapping[str, int]] | None = None,
         topic_drops: Callable[[], Mapping[str, int]] | None = None,
     ):
@@ -72,6 +73,9 @@ class KvmissCollector(Collector):
         self.aged_out = aged_out  # (blocks remembered, their bytes, blocks forgotten so far)
         self.records = records  # the request-records file writer, when [export] request_records is set
         self.fleet = fleet  # membership counters, and the members by state (Service.member_states)
+        # Workers that left the fleet within retention: still label values, so requests they
+        # served (judged after they left) are not counted as "untracked".
+        self.recently_departed = recently_departed
         self.dns_outcomes = dns_outcomes  # [fleet.dns]: resolutions by outcome
         self.topic_drops = topic_drops  # [fleet.topics]: messages not applied, by reason
         self.unknown_budget = unknown_budget
@@ -192,12 +196,12 @@ class KvmissCollector(Collector):
         requests = CounterMetricFamily("kvmiss_requests", "Requests judged, by attribution label.", labels=names)
         tokens = CounterMetricFamily("kvmiss_missed_tokens", "Prompt tokens the cache could have saved (L - C), by label.", labels=names)
         policies: list[str] = []
-        fleet = self.streams()
+        fleet, departed = self.streams(), self.recently_departed()
         folded: dict[tuple[str, ...], tuple[int, int, str | None]] = {}
         for (label, policy, worker), count in sorted(self.stats.verdicts.items()):
-            # Worker ids come from spans: only configured workers are label values (a hostile
-            # or misconfigured sender must not grow the series without bound).
-            shown = worker if not worker or worker in fleet else "untracked"
+            # Worker ids come from spans: only members (and workers that left within retention)
+            # are label values (a hostile or misconfigured sender must not grow the series).
+            shown = worker if not worker or worker in fleet or worker in departed else "untracked"
             key = (label.value, LABEL_OWNER[label].value, shown, self._policy(policy, policies))
             n, t, ex = folded.get(key, (0, 0, None))
             folded[key] = (n + count, t + self.stats.missed_tokens[(label, policy, worker)],

@@ -51,3 +51,18 @@ def test_no_hash_digest_request_or_trace_id_is_ever_a_label_value():
     forbidden = {str(H), f"{H:x}", str(H - 2**64), "r1", trace_hex}
     assert not forbidden & set(label_values)
     assert not any(":" in v and len(v) > 16 for v in label_values)  # no keyed digests
+
+
+def test_a_worker_that_left_within_retention_stays_a_label_value_others_are_untracked():
+    index, _ = evicted_history()  # the request was served by A
+    pipe = Pipeline(Attributor(index, DigestKey("metrics-test-secret-0001")), Sink(), clock=Clock())
+    asyncio.run(pipe.consume(export_request(router_span(), engine_span())))
+    pipe.poll()
+
+    def workers(recently_departed) -> set[str]:
+        registry = CollectorRegistry()
+        registry.register(KvmissCollector(pipe.stats, dict, recently_departed=recently_departed))
+        return set(re.findall(r'kvmiss_requests_total\{[^}]*worker="([^"]*)"', generate_latest(registry).decode()))
+
+    assert workers(frozenset) == {"untracked"}  # A is no member: folded
+    assert workers(lambda: {"A": 12.0}) == {"A"}  # A departed within retention: its own series
