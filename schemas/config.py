@@ -393,13 +393,13 @@ def _check(config: Config, source: str) -> None:
                           f"whole poll later than another), got {fleet.membership_uncertainty_s}")
     if fleet.dns is not None:
         check_fleet_dns(fleet.dns, source)
-        # Two replicas resolve on their own schedules: one may see an answer a whole interval
-        # (and a poll) after the other.
-        if fleet.membership_uncertainty_s < fleet.dns.interval_s + fleet.poll_interval_s:
+        # A changed answer is seen up to an interval and two polls later (a resolution starts
+        # at a poll and is read at the next): two replicas may see it that far apart.
+        least = fleet.dns.interval_s + 2 * fleet.poll_interval_s
+        if fleet.membership_uncertainty_s < least:
             raise ConfigError(f"{source}: fleet.membership_uncertainty_s ({fleet.membership_uncertainty_s:g}) must "
-                              f"be at least fleet.dns.interval_s + fleet.poll_interval_s "
-                              f"({fleet.dns.interval_s + fleet.poll_interval_s:g}), plus the DNS server's TTL: "
-                              "replicas resolve the name at different moments")
+                              f"be at least fleet.dns.interval_s + 2 * fleet.poll_interval_s ({least:g}), plus "
+                              "the DNS server's TTL: replicas see a changed answer at different moments")
     if fleet.topics is not None:
         check_fleet_topics(fleet.topics, source)
         if fleet.topics.members == "listed" and fleet.dns is None and fleet.file is None:

@@ -52,13 +52,18 @@ class LossyProxy:
     ``upstream``: the publisher's PUB endpoint (the proxy connects to it).
     ``replay_upstream``: the publisher's replay ROUTER, or None for no replay side.
     ``answer_replay``: False makes the replay side swallow requests (never answers);
+    ``host``, ``port``, ``replay_port``: where it binds (default: 127.0.0.1, free ports).
     with ``replay_upstream=None`` and ``answer_replay=False`` it is a bare silent ROUTER.
     After `start()`, ``endpoint`` / ``replay_endpoint`` are the proxy's bound addresses.
     """
 
     def __init__(self, upstream: str, *, replay_upstream: str | None = None,
-                 answer_replay: bool = True, context: zmq.Context | None = None):
+                 answer_replay: bool = True, context: zmq.Context | None = None,
+                 host: str = "127.0.0.1", port: int | None = None, replay_port: int | None = None):
         self.upstream = upstream
+        # Where the proxy binds: an address of its own (127.0.0.x) and fixed ports stand in for
+        # a pod of a fleet whose engines all listen on the same ports ([fleet.dns] tests).
+        self.binds = (f"tcp://{host}:{port or '*'}", f"tcp://{host}:{replay_port or '*'}")
         self.replay_upstream = replay_upstream
         self.answer_replay = answer_replay
         self.endpoint: str | None = None
@@ -180,14 +185,14 @@ class LossyProxy:
         pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every (re)subscription is reported
-        pub.bind("tcp://127.0.0.1:*")
+        pub.bind(self.binds[0])
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = pub
         router = None
         if self.replay_upstream is not None or not self.answer_replay:
             router = ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            router.bind("tcp://127.0.0.1:*")
+            router.bind(self.binds[1])
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         dealers: dict[zmq.Socket, bytes] = {}  # upstream dealer -> client identity
         by_client: dict[bytes, zmq.Socket] = {}
