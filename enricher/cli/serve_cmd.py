@@ -199,7 +199,9 @@ def _resolved_fleet(config) -> list[str] | None:
         answer = asyncio.run(source.poll())
         if isinstance(answer, Desired):
             answer = members.propose(source.name, answer, 0.0)
-        if not hasattr(answer, "reason"):
+        if answer is None:  # (a resolver that got no answer says why in the log)
+            lines.append(f"fleet {source.name} {source.where}: no answer yet (asked again every poll once running)")
+        elif not hasattr(answer, "reason"):
             specs = members.by_source.get(source.name, {}).values()
             lines.append(f"fleet {source.name} {source.where}: {len(specs)} workers")
             lines += [f"  {w.id}: {w.sub_endpoint()} (replay {w.replay_address() or 'none'})" for w in specs]

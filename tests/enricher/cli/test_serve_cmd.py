@@ -175,3 +175,14 @@ def test_check_prints_the_fleet_each_source_resolves_and_refuses_what_serve_woul
     bad.write_text('[[workers]]\nid = "x"\nendpoint = "tcp://10.0.0.8:5557"\ndp_rank = "one"\n')
     refused = _check(f'[fleet]\nfile = "{bad}"\n', tmp_path)
     assert refused.returncode == 2 and "workers[0].dp_rank" in refused.stderr
+
+
+def test_check_says_when_a_source_has_no_answer_yet(tmp_path):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as mute:  # a nameserver that never answers
+        mute.bind(("127.0.0.1", 0))
+        port = mute.getsockname()[1]
+        done = _check(f'[fleet.dns]\nname = "engines.test"\nnameserver = "127.0.0.1:{port}"\ntimeout_s = 0.3\n', tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "fleet dns engines.test" in done.stdout and "no answer yet" in done.stdout
