@@ -37,22 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "reliability"), str(ROOT / "tests" / "peers")]
 
-from netns import ENGINE_ADDR, Link, unavailable  # noqa: E402
+from netns import ENGINE_ADDR, Link, NetnsKvmiss, unavailable  # noqa: E402
 from reliability_rig import Kvmiss, PublisherProcess, Truth, kvmiss_config, wait_until  # noqa: E402
 
 NOTICED, RECONNECTED = "worker w0: publisher disconnected", "worker w0: publisher reconnected"
-
-
-class NsKvmiss(Kvmiss):
-    def __init__(self, *args, thread, **kwargs):
-        self.thread = thread
-        super().__init__(*args, **kwargs)
-
-    def scrape(self):
-        return self.thread.call(Kvmiss.scrape, self)
-
-    def ready(self) -> bool:
-        return self.thread.call(Kvmiss.ready, self)
 
 
 def count(kvmiss: Kvmiss, text: str) -> int:
@@ -74,7 +62,7 @@ def run(scenario: str, hold_s: float, observe_s: float, workdir: Path) -> dict:
             http, grpc, metrics = ports
             config = kvmiss_config(http_port=http, grpc_port=grpc, metrics_port=metrics, sink_port=4319,
                                    workers=workers, collector=collector)
-            kvmisses[name] = NsKvmiss(config, workdir, http_port=http, metrics_port=metrics, grpc_port=grpc,
+            kvmisses[name] = NetnsKvmiss(config, workdir, http_port=http, metrics_port=metrics, grpc_port=grpc,
                                       prefix=Link.prefix(link.kvmiss_ns), thread=k)
             processes.append(kvmisses[name])
         pub.stream(count=10**6, interval_s=0.005, first_block=1_000_000, window=3000)

@@ -34,6 +34,8 @@ import shutil
 import subprocess
 from typing import Callable, Sequence, TypeVar
 
+from reliability_rig import Kvmiss, Metrics
+
 ENGINE_ADDR, KVMISS_ADDR = "10.77.0.1", "10.77.0.2"
 ENGINE_DEV, KVMISS_DEV = "ve", "vk"
 _CLONE_NEWNET = 0x40000000
@@ -183,3 +185,18 @@ class Link:
             thread.close()
         for ns in (self.engine_ns, self.kvmiss_ns):
             _run("ip", "netns", "del", ns, check=False)
+
+
+class NetnsKvmiss(Kvmiss):
+    """`Kvmiss` started under ``prefix`` in a namespace, its metrics read from ``thread`` (a
+    `NetnsThread` inside it: its loopback is not this process's)."""
+
+    def __init__(self, *args, thread: NetnsThread, **kwargs):
+        self.thread = thread
+        super().__init__(*args, **kwargs)
+
+    def scrape(self) -> Metrics:
+        return self.thread.call(Kvmiss.scrape, self)
+
+    def ready(self) -> bool:
+        return self.thread.call(Kvmiss.ready, self)

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import ENGINE_ADDR, KVMISS_ADDR, Link, NetnsThread, unavailable
+from netns import ENGINE_ADDR, KVMISS_ADDR, Link, NetnsKvmiss, unavailable
 
 _REASON = unavailable()
 if _REASON:
@@ -53,7 +53,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from reliability_rig import (  # noqa: E402
     UNKNOWN,
-    Kvmiss,
     PublisherProcess,
     Sender,
     Sink,
@@ -73,20 +72,6 @@ W1_INTERVAL_S, W1_WINDOW = 0.02, 1000
 RECOVERY_S = 45.0  # restore -> every published batch applied with continuity
 KINDS = ("resident", "evicted", "fresh", "elsewhere")
 NOTICED, RECONNECTED = "worker w0: publisher disconnected", "worker w0: publisher reconnected"
-
-
-class NsKvmiss(Kvmiss):
-    """`Kvmiss` in the kvmiss namespace: its metrics are read from a thread inside it."""
-
-    def __init__(self, *args, thread: NetnsThread, **kwargs):
-        self.thread = thread
-        super().__init__(*args, **kwargs)
-
-    def scrape(self):
-        return self.thread.call(Kvmiss.scrape, self)
-
-    def ready(self) -> bool:
-        return self.thread.call(Kvmiss.ready, self)
 
 
 class SdkSender:
@@ -168,7 +153,7 @@ class World:
         self.results: list[dict] = []
         self.truth = Truth()
         self.sdk: SdkSender | None = None
-        self.kvmiss: NsKvmiss | None = None
+        self.kvmiss: NetnsKvmiss | None = None
         self.sink: Sink | None = None
         self.pubs: list[PublisherProcess] = []
         self.k = self.link.thread(self.link.kvmiss_ns)
@@ -187,7 +172,7 @@ class World:
             otlp_host="0.0.0.0", wait_s=2.0, assemble_wait_s=2.0,
             workers={"w0": (f"tcp://{ENGINE_ADDR}:{PUB_PORT}", f"tcp://{ENGINE_ADDR}:{REPLAY_PORT}"),
                      "w1": (f"tcp://127.0.0.1:{W1_PUB}", f"tcp://127.0.0.1:{W1_REPLAY}")})
-        self.kvmiss = NsKvmiss(config, tmp, http_port=HTTP_PORT, metrics_port=METRICS_PORT,
+        self.kvmiss = NetnsKvmiss(config, tmp, http_port=HTTP_PORT, metrics_port=METRICS_PORT,
                                grpc_port=GRPC_PORT, prefix=Link.prefix(self.link.kvmiss_ns), thread=self.k)
         self.w0.stream(count=10**6, interval_s=W0_INTERVAL_S, first_block=1_000_000, window=W0_WINDOW)
         self.w1.stream(count=10**6, interval_s=W1_INTERVAL_S, first_block=5_000_000, window=W1_WINDOW)
