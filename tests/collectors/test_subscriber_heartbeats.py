@@ -19,7 +19,7 @@ import time
 
 import pytest
 from sglang_publisher import batch, close, publisher
-from zmq_ports import free_tcp
+from zmq_ports import quiet_tcp
 
 from kvmiss.collectors.continuity import Apply, StreamConfig
 from kvmiss.collectors.fleet import Fleet
@@ -40,6 +40,8 @@ class HoldingRelay:
         self.held = threading.Event()
         self._stop = threading.Event()
         self._peer: dict[socket.socket, socket.socket] = {}
+        self.accepted = 0
+        self.carried = 0  # bytes, either way
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -66,13 +68,18 @@ class HoldingRelay:
                     client, _ = self.listener.accept()
                     server = socket.create_connection(self.upstream)
                     self._peer[client], self._peer[server] = server, client
+                    self.accepted += 1
                     continue
                 if sock not in self._peer:
                     continue
-                data = sock.recv(65536)
-                if data:
-                    self._peer[sock].sendall(data)
-                else:  # one side closed: close both
+                try:
+                    data = sock.recv(65536)
+                    if data:
+                        self._peer[sock].sendall(data)
+                        self.carried += len(data)
+                except OSError:  # reset (a socket closed with unread data): as closed
+                    data = b""
+                if not data:  # one side closed: close both
                     other = self._peer.pop(sock)
                     self._peer.pop(other, None)
                     sock.close()
@@ -102,7 +109,9 @@ def noticed(caplog) -> int:
 @pytest.mark.parametrize("heartbeat_s", [0.2, 0.0], ids=["heartbeats", "off"])
 def test_a_connection_that_stops_carrying_bytes_is_noticed_only_with_heartbeats(heartbeat_s, caplog):
     caplog.set_level(logging.INFO, logger="kvmiss.collectors")
-    endpoint, replay = free_tcp(), free_tcp()
+    # Below the ephemeral range: the relay's own listener and upstream connection take ports from
+    # it, and one could take the publisher's before it has bound (it binds on its own thread).
+    endpoint, replay = quiet_tcp(), quiet_tcp()
     pub = publisher(endpoint=endpoint, replay_endpoint=replay)
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     relay = HoldingRelay((host, int(port)))
@@ -142,8 +151,8 @@ def test_a_connection_that_stops_carrying_bytes_is_noticed_only_with_heartbeats(
         publish(5)
         # Every batch is applied once, in order: what the held connection lost comes back
         # through replay once the reconnect is verified, or through the old connection.
-        assert applied.wait_for(seq), (f"applied {applied.seqs} of {seq}",
-                                       [r.getMessage() for r in caplog.records])
+        assert applied.wait_for(seq), (f"applied {applied.seqs} of {seq}", [r.getMessage() for r in caplog.records],
+                                       f"relay: {relay.accepted} accepted, {relay.carried} bytes carried")
         time.sleep(0.2)
         assert applied.seqs == list(range(seq))
         if heartbeat_s:

@@ -44,7 +44,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from publisher_proc import batch as wire_batch  # one batch builder, in the subprocess's module
-from zmq_ports import free_port
+from zmq_ports import quiet_port  # noqa: F401 - the rig's users take it from here
 
 from kvmiss.enricher.demo.publisher import Publisher
 
@@ -55,22 +55,6 @@ PARENT = 7  # block 0 of every test request: always "cached"
 TAIL = 9  # block 2: never looked at (the first miss is block 1)
 PROMPT_TOKENS = 3 * BLOCK + 1  # L = 48, so cached 16 is a miss of block 1
 UNKNOWN = ("unknown_history", "unknown_epoch")
-
-
-def quiet_port() -> int:
-    """A free loopback port below the kernel's ephemeral range (32768+ here), so that no
-    outgoing connection or bind-to-0 elsewhere takes it between now and our bind -- the
-    race a port from `free_port()` loses now and then on a busy machine."""
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    return free_port()
 
 
 def wait_until(condition: Callable[[], object], what: str, timeout: float = WAIT_S,
