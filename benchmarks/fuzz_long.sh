@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The long fuzz run (issue #7): every atheris target for N seconds each, seeded from
-# shared/reference/data, then the hypothesis properties with a large example budget.
+# The long fuzz run: every atheris target (every parser that reads outside bytes: frames,
+# batches and the KV-cache group fields of hybrid engines applied to an index, OTLP protobuf
+# and JSON, config, the fleet file, `kvmiss decode` lines) for N seconds each, seeded from
+# shared/reference/data and examples/, then the hypothesis properties with a large example
+# budget. The defaults take about 80 minutes plus the hypothesis run.
 #
 #   bash benchmarks/fuzz_long.sh                 # 600 s per target, 5000 examples
 #   FUZZ_SECONDS=120 FUZZ_EXAMPLES=1000 bash benchmarks/fuzz_long.sh decode_batch parse_config
 #
-# Writes under out/fuzz/ (git-ignored): corpus/<target>/ (seeds + what libFuzzer kept; a
+# Writes under out/fuzz/ (git-ignored; FUZZ_OUT elsewhere): corpus/<target>/ (seeds + what libFuzzer kept; a
 # later run resumes from it), <target>.log, and crash-*/timeout-*/oom-* inputs when a target
 # breaks its contract. Prints one summary line per target. Exit status 1 if any target
 # crashed, hung or ran out of memory, or if the hypothesis run failed.
@@ -17,10 +20,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 SECONDS_EACH=${FUZZ_SECONDS:-600}
 EXAMPLES=${FUZZ_EXAMPLES:-5000}
-OUT=out/fuzz
+OUT=${FUZZ_OUT:-out/fuzz}
 TARGETS=("$@")
 if [ ${#TARGETS[@]} -eq 0 ]; then
-    TARGETS=(decode_batch parse_any parse_otlp_json otlp_protobuf parse_config decode_line)
+    TARGETS=(decode_batch parse_any parse_otlp_json otlp_protobuf parse_config fleet_file apply_batch decode_line)
 fi
 
 if ! [ "$SECONDS_EACH" -ge 1 ] 2>/dev/null; then  # libFuzzer reads 0 as "forever"

@@ -19,6 +19,11 @@ Targets:
   otlp_protobuf    OTLP protobuf bodies (DecodeError), then the span reader on what parsed and
                    the compiled wire scanner on the same bytes (the reader's answer or none)
   parse_config     TOML configuration text (ConfigError)
+  fleet_file       a `[fleet] file` (TOML `workers = [...]`, parse_fleet_file: ConfigError)
+  apply_batch      a decoded batch (WireError) applied to a residency index three times, then
+                   a request judged on each block it named: the KV-cache group fields of
+                   hybrid engines (group_idx, kv_cache_spec_kind, its sliding window) reach
+                   the index's per-group tables and hit rules; never an exception
   decode_line      one `kvmiss decode` input line (never raises)
 
 ``parse_any`` input framing: byte 0 = frame count (mod 8), byte 1 = socket kind (mod 4:
@@ -35,6 +40,7 @@ import sys
 from pathlib import Path
 
 import atheris
+import msgspec
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]  # tests/: shared_data
@@ -50,8 +56,14 @@ with atheris.instrument_imports(include=["kvmiss", "tomllib", "google.protobuf.j
     from kvmiss.enricher.cli import decode_cmd
     from kvmiss.enricher.otlp.receiver import drop_invalid_spans, parse_otlp_json
     from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
-    from kvmiss.schemas.config import Config, ConfigError, parse_config
-    from kvmiss.schemas.events import EventBatch, WireError, decode_batch, event_to_builtins
+    from kvmiss.enricher.core.attribution import Attributor
+    from kvmiss.enricher.core.index import ResidencyIndex
+    from kvmiss.schemas.attribution import RequestFacts
+    from kvmiss.schemas.config import Config, ConfigError, WorkerSpec, parse_config, parse_fleet_file
+    from kvmiss.schemas.stream import AppliedBatch, RunStart
+    from kvmiss.schemas.events import (
+        AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError, decode_batch, event_to_builtins,
+    )
 
 from wire_scan_check import check_against_reference  # noqa: E402 (tests/ is on the path now)
 
@@ -145,6 +157,37 @@ def fuzz_parse_config(data: bytes) -> None:
     repr(config)
 
 
+def fuzz_fleet_file(data: bytes) -> None:
+    text = data.decode("utf-8", "replace")
+    try:
+        workers = parse_fleet_file(text)
+    except ConfigError:
+        return
+    assert all(isinstance(w, WorkerSpec) for w in workers)
+    repr(workers)
+
+
+def fuzz_apply_batch(data: bytes) -> None:
+    try:
+        batch = decode_batch(data)
+    except WireError:
+        return
+    index = ResidencyIndex(["w0", "w1"], retention_s=1.0, aged_out_horizon_s=2.0)
+    keys: list[int] = []
+    for seq in range(3):  # the same step three times, a second apart: stores, removals, clears again
+        for worker in ("w0", "w1"):
+            index.apply(AppliedBatch(worker=worker, epoch=0, seq=seq, ts=100.0 + seq, recv_ts=100.0 + seq,
+                                     events=batch.events, run_start_seq=0, run_start=RunStart.EPOCH_START))
+        index.prune(100.0 + seq)
+    for event in batch.events:
+        keys += getattr(event, "block_hashes", [])[:4]
+    attributor = Attributor(index)
+    for key in keys[:8]:
+        for t in (100.5, 101.5, 102.5):
+            attributor.attribute(RequestFacts(prompt_tokens=48, cached_tokens=16, block_size=16, worker="w0",
+                                              lookup_time=t, block_hashes=[keys[0], key, 7]))
+
+
 def fuzz_decode_line(data: bytes) -> None:
     for raw in (False, True):
         out = decode_cmd.decode_line(data, include_raw=raw)
@@ -158,6 +201,8 @@ TARGETS = {
     "otlp_protobuf": fuzz_otlp_protobuf,
     "parse_config": fuzz_parse_config,
     "decode_line": fuzz_decode_line,
+    "fleet_file": fuzz_fleet_file,
+    "apply_batch": fuzz_apply_batch,
 }
 
 
@@ -214,6 +259,8 @@ def seed_corpus() -> dict[str, list[bytes]]:
     from kvmiss.enricher.otlp.exporter import to_otlp_json
 
     example = (HERE.parents[1] / "examples" / "kvmiss.toml").read_bytes()
+    fleet_example = (HERE.parents[1] / "examples" / "fleet.toml").read_bytes()
+    hybrid = [msgspec.msgpack.encode(batch) for batch in hybrid_batches()]
     return {
         "decode_batch": payloads,
         "parse_any": [join_frames(frames, socket) for frames, socket in messages]
@@ -221,9 +268,31 @@ def seed_corpus() -> dict[str, list[bytes]]:
         "parse_otlp_json": [to_otlp_json(r).encode() for r in requests],
         "otlp_protobuf": [r.SerializeToString() for r in requests],
         "parse_config": [example, b"[otlp]\ngrpc = ':0'\n[[workers]]\nid = 'a'\nendpoint = 'tcp://h:5557'\ndp_rank = 1\n"],
+        "fleet_file": [fleet_example, b"workers = []\n",
+                       b"[[workers]]\nid = 'a'\nendpoint = 'tcp://h:5557'\ndp_rank = 1\ntopic = 'kv@a@m'\n"],
+        "apply_batch": payloads + hybrid,
         "decode_line": [json.dumps({"frames": [base64.b64encode(f).decode() for f in frames], "socket": socket}).encode()
                         for frames, socket in messages],
     }
+
+
+def hybrid_batches() -> list[EventBatch]:
+    """Batches of a hybrid engine: a full-attention group and a sliding-window group (and an
+    unmodelled kind), stores with their spec fields, removals per group, a reset."""
+    full = dict(kv_cache_spec_kind="full_attention", group_idx=0)
+    window = dict(kv_cache_spec_kind="sliding_window", group_idx=1, kv_cache_spec_sliding_window=64)
+    chain = [11, 12, 13, 14]
+    return [
+        EventBatch(ts=1.0, events=[BlockStored(block_hashes=chain, block_size=16, **full),
+                                   BlockStored(block_hashes=chain, block_size=16, **window)]),
+        EventBatch(ts=2.0, events=[BlockRemoved(block_hashes=chain[:2], group_idx=1),
+                                   BlockStored(block_hashes=[15], parent_block_hash=14, block_size=16,
+                                               kv_cache_spec_kind="mamba", group_idx=2, medium="CPU"),
+                                   BlockRemoved(block_hashes=[11], group_idx=0)]),
+        EventBatch(ts=3.0, events=[AllBlocksCleared(), BlockStored(block_hashes=chain, block_size=16,
+                                                                   kv_cache_spec_kind="chunked_local_attention",
+                                                                   group_idx=3)]),
+    ]
 
 
 def write_corpus(root: Path) -> None:
