@@ -231,7 +231,10 @@ class Judged(msgspec.Struct, array_like=True, gc=False):
 
 class JudgedRequests:
     """Requests judged recently, by trace: for ``keep_s`` after judging (and at most
-    ``max_traces`` traces, the oldest forgotten first and counted in ``forgotten_early``).
+    ``max_traces`` traces, the oldest forgotten first and counted in ``forgotten_early``;
+    per trace the newest ``max_per_trace`` requests, older ones counted in
+    ``forgotten_in_trace``: a trace whose spans keep coming -- a long agent session, or a
+    sender that puts every span in one trace -- is touched for ever and must not grow).
 
     A span that arrives after its request was judged is never judged again (ATTRIBUTION:
     one verdict per request): a copy of the span that carries the verdict (the same span id:
@@ -242,10 +245,12 @@ class JudgedRequests:
 
     Pure: the pipeline passes the time in."""
 
-    def __init__(self, keep_s: float = 60.0, max_traces: int = 262_144):
+    def __init__(self, keep_s: float = 60.0, max_traces: int = 262_144, max_per_trace: int = 64):
         self.keep_s = keep_s
         self.max_traces = max_traces
+        self.max_per_trace = max_per_trace
         self.forgotten_early = 0  # traces dropped by the count bound before keep_s
+        self.forgotten_in_trace = 0  # requests dropped by the per-trace bound
         # trace id -> (judged at, its judged requests), oldest judging first.
         self._by_trace: collections.OrderedDict[bytes, tuple[float, tuple[Judged, ...]]] = collections.OrderedDict()
 
@@ -256,7 +261,14 @@ class JudgedRequests:
         judged = Judged(tuple(sorted(ids)), span_id, tuple(verdict.items()))
         trace_id = assembly.trace_id
         known = self._by_trace.pop(trace_id, None)
-        self._by_trace[trace_id] = (now, (judged,) if known is None else known[1] + (judged,))
+        requests: tuple[Judged, ...] = (judged,)
+        if known is not None:
+            older = known[1]
+            if len(older) >= self.max_per_trace:
+                self.forgotten_in_trace += len(older) - self.max_per_trace + 1
+                older = older[len(older) - self.max_per_trace + 1:]
+            requests = older + requests
+        self._by_trace[trace_id] = (now, requests)
         if len(self._by_trace) > self.max_traces:
             self._by_trace.popitem(last=False)
             self.forgotten_early += 1

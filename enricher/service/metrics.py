@@ -346,6 +346,15 @@ class KvmissCollector(Collector):
             "kvmiss_workers_unsubscribed", "Workers spans named recently that no [[workers]] entry subscribes to: "
             "while above 0, misses below routing_miss are unknown_history (they cannot be ruled out as holders).")
         unsubscribed.add_metric([], len(s.unsubscribed))
+        held = GaugeMetricFamily("kvmiss_judged_traces", "Traces whose judged requests are remembered (bounded: "
+                                 "a later span of a judged request is not judged again).")
+        early = CounterMetricFamily(
+            "kvmiss_judged_forgotten_early", "Judged requests forgotten before their keep time, by bound: traces "
+            "(262,144 traces remembered at most) or per_trace (a trace's newest 64 requests).", labels=["bound"])
+        if s.judged is not None:
+            held.add_metric([], len(s.judged))
+            early.add_metric(["traces"], s.judged.forgotten_early)
+            early.add_metric(["per_trace"], s.judged.forgotten_in_trace)
         evicted = CounterMetricFamily(
             "kvmiss_whatif_evicted_tokens", "Missed tokens of evicted misses that got a what-if estimate "
             "(the worker's [[workers]] pool_blocks is known), by worker. An estimate, never a label.", labels=["worker"])
@@ -358,7 +367,7 @@ class KvmissCollector(Collector):
         for (worker, scale), n in sorted(s.whatif_kept_tokens.items()):
             kept.add_metric([worker, scale], n)
         yield from (received, exported, refused, lost, replayed, refused_full, size, bound, unenriched, bad, waits, resent, foreign, unsubscribed,
-                    evicted, kept)
+                    held, early, evicted, kept)
         yield from self._connections(intake)
 
     def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:

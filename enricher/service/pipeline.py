@@ -51,6 +51,7 @@ log = logging.getLogger("kvmiss.pipeline")
 
 MAX_ROUTE_POLICIES = 16  # distinct routing-policy values kept as metric labels
 MAX_UNSUBSCRIBED = 64  # span-named workers absent from [[workers]] remembered at once
+FOLD_EVERY_S = 10.0  # how often counters of workers the index released are folded away
 
 
 class ExportSink(Protocol):
@@ -126,6 +127,7 @@ class PipelineStats:
         # an estimate, and of those, the ones each ladder pool size would have kept cached.
         self.whatif_evicted_tokens: collections.Counter[str] = collections.Counter()
         self.whatif_kept_tokens: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.judged = None  # the pipeline's JudgedRequests (read by the metrics)
 
 
 class Pipeline:
@@ -173,7 +175,8 @@ class Pipeline:
         self._joining: list[str] = []  # per poll, beside it: see `_fleet_reach`
         # So that a span arriving after its request was judged is not judged again: kept
         # while a partner may still come (the other side's spans up to assemble_wait_s late).
-        self._judged = JudgedRequests(keep_s=2 * assemble_wait_s + history_wait_s)
+        self._judged = self.stats.judged = JudgedRequests(keep_s=2 * assemble_wait_s + history_wait_s)
+        self._folded_at = 0.0  # see `_fold_released`
         # Workers spans name that the index does not follow -> when last named. The fleet is
         # larger than this replica's subscriptions: none of them can be ruled out as a holder
         # (`Attributor.unsubscribed`), until no span has named them for unsubscribed_keep_s.
@@ -342,7 +345,21 @@ class Pipeline:
             for worker, seen in list(self.unsubscribed.items()):
                 if now - seen > self.unsubscribed_keep_s or worker in tracked:  # (or it joined)
                     del self.unsubscribed[worker]
+        if now - self._folded_at >= FOLD_EVERY_S:
+            self._folded_at = now
+            self._fold_released()
         return judged
+
+    def _fold_released(self) -> None:
+        """Counters of workers the index no longer tracks (a departed worker released after
+        retention) move to "untracked", where /metrics already shows them: with a fleet that
+        changes, the ids ever seen would otherwise grow the counters for as long as kvmiss
+        runs. Keys stay within labels x policies x (tracked workers + 2)."""
+        tracked, stats = self.attributor.index.tracked, self.stats
+        for key in [k for k in stats.verdicts if k[2] not in tracked and k[2] not in ("", "untracked")]:
+            into = (key[0], key[1], "untracked")
+            stats.verdicts[into] += stats.verdicts.pop(key)
+            stats.missed_tokens[into] += stats.missed_tokens.pop(key, 0)
 
     def _assess(self, assembly: Assembly, now: float, final: bool) -> int | None:
         """Move an assembly on: None while it waits for more spans, else requests judged."""

@@ -271,7 +271,11 @@ class Service:
         return clock
 
     def _on_verdict(self, facts: RequestFacts, verdict: Verdict, trace_id: bytes) -> None:
-        self.exemplars[self.pipeline.metric_key(facts, verdict)] = trace_id.hex()
+        exemplars = self.exemplars
+        exemplars[self.pipeline.metric_key(facts, verdict)] = trace_id.hex()
+        if len(exemplars) > len(self.pipeline.stats.verdicts):  # keys the pipeline folded away
+            for key in [k for k in exemplars if k not in self.pipeline.stats.verdicts]:
+                del exemplars[key]
         if self.request_records is not None:
             self.request_records.put(facts, trace_id)
 
