@@ -192,7 +192,7 @@ def test_a_departed_worker_is_followed_for_the_linger_then_closed(engines):
     a = engines("a")
     sink = Sink()
     fleet = Fleet([a.spec], sink, config=QUIET)
-    sub = Subscriber(fleet, linger_s=1.0)
+    sub = Subscriber(fleet, linger_s=3.0)  # room for a batch to arrive on a loaded machine
     sub.start()
     try:
         seen(sink, a, "a")
@@ -201,7 +201,7 @@ def test_a_departed_worker_is_followed_for_the_linger_then_closed(engines):
         wait(lambda: "a" in sub.lingering, "a lingering")
         seen(sink, a, "a", after=len(sink.of("a")))  # still applied after its departure
         wait(lambda: "a" not in fleet.streams and sockets_of(sub, "a") == 0, "a closed after the linger")
-        assert time.monotonic() - departed >= 0.9
+        assert time.monotonic() - departed >= 2.9
         before = len(sink.of("a"))
         for _ in range(10):
             a.publish()

@@ -92,7 +92,7 @@ def test_a_watched_file_grows_and_shrinks_the_fleet_and_a_bad_one_changes_nothin
             write_fleet(path, {"f1": eps["f1"], "f2": eps["f2"]})
             changed = time.monotonic()
             await until(lambda: "f2" in service.fleet.streams, "f2 joined")
-            assert time.monotonic() - changed < 1.5
+            assert time.monotonic() - changed < 5.0  # (0.1 s polls; loose for a loaded machine)
             await until(lambda: service.fleet_stats.first_batch.total == 2, "f2's first batch", publish("f2"))
             m = samples(service)
             assert m[("kvmiss_fleet_joins_total", ())] == 2
