@@ -1,7 +1,7 @@
 """Verdict latency: evidence gathering + verdict for one request, once its history is there.
 
     .venv/bin/python benchmarks/bench_verdict.py [--workers 8] [--blocks 100000] [--requests 20000]
-        [--joined 0] [--departed 0]
+        [--joined 0] [--departed 0 [--in-band]]
 
 A fleet of ``--workers`` epochs, each holding ``--blocks`` resident blocks with churn
 (evictions), a batch log of 50,000 steps; requests pick a worker and a first-miss block
@@ -14,6 +14,9 @@ are announced by a membership source (joined before every lookup: members with a
 every fleet check asks their standing), and ``--departed N`` more workers, built the same
 way, left the fleet before every lookup (their views kept until retention; consulted for
 nothing). Requests choose among the members only, so the labels are the static fleet's.
+``--in-band``: the departures are seen at the middle lookup time and every lookup is within a
+second of it, inside the uncertainty band: each departed worker counts for every request
+(ruled out by its history, or unsettled) -- a rolling deploy's worst moment.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+
+import msgspec
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
@@ -87,6 +92,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="passes over the requests; the quietest is kept")
     parser.add_argument("--joined", type=int, default=0, help="of --workers, how many a source announced")
     parser.add_argument("--departed", type=int, default=0, help="workers besides --workers that left the fleet")
+    parser.add_argument("--in-band", action="store_true", help="departures seen within a second of every lookup")
     args = parser.parse_args()
     rng = random.Random(11)
     total = args.workers + args.departed
@@ -97,12 +103,17 @@ def main() -> None:
         index.apply_fleet_change(FleetChange(at=before, source="file", joined=tuple(
             WorkerSpec(id=f"w{i}", endpoint=f"tcp://10.0.0.1:{6000 + i}") for i in range(static, args.workers))))
     index, held, evicted = build(range(args.workers), args.blocks, rng, index)
+    middle = 1000.0 + STEPS * 0.75 * 0.01
     if args.departed:  # (the requests are drawn as without them: the labels stay the static fleet's)
         build(range(args.workers, total), args.blocks, random.Random(12), index)
         index.apply_fleet_change(FleetChange(
-            at=before, source="file", departed=tuple(f"w{i}" for i in range(args.workers, total))))
+            at=middle if args.in_band else before, source="file",
+            departed=tuple(f"w{i}" for i in range(args.workers, total))))
     attributor = Attributor(index, DigestKey("bench-verdict-secret-0001"))
     reqs = requests(args.workers, args.requests, held, evicted, rng)
+    if args.in_band:
+        spread = random.Random(13)
+        reqs = [msgspec.structs.replace(f, lookup_time=middle + spread.uniform(-1.0, 1.0)) for f in reqs]
     passes = []
     for _ in range(args.repeat):
         wall, cpu = [], []
@@ -117,7 +128,8 @@ def main() -> None:
     wall_pct, cpu_pct, labels = min(passes, key=lambda p: p[0][0.99])
     print(f"{args.workers} workers x {args.blocks:,} blocks, {STEPS:,} steps each; {args.requests:,} requests, "
           f"best of {args.repeat} passes by wall-clock p99"
-          + (f"; {args.joined} joined, {args.departed} departed" if args.joined or args.departed else ""))
+          + (f"; {args.joined} joined, {args.departed} departed" if args.joined or args.departed else "")
+          + (" within the band of every lookup" if args.in_band else ""))
     print("labels: " + ", ".join(f"{k} {v}" for k, v in sorted(labels.items())))
     for name, pct in (("wall-clock", wall_pct), ("thread CPU", cpu_pct)):
         print(f"verdict latency ({name}): p50 {pct[0.5]:.1f} us, p95 {pct[0.95]:.1f} us, p99 {pct[0.99]:.1f} us")

@@ -212,7 +212,8 @@ class FleetRound:
     gives (tests/enricher/core/test_fleet_round.py holds them together)."""
 
     __slots__ = ("generation", "workers", "position", "skewed", "slow", "tables", "table_pos",
-                 "_los", "_lo_pos", "_his", "_hi_pos", "_gone_until", "_gone_pos")
+                 "_los", "_lo_pos", "_his", "_hi_pos", "_gone_until", "_gone_pos", "_gone_window",
+                 "_gone_tables", "_gone_table_of", "_gone_first_table")
 
     def __init__(self, index: ResidencyIndex, clocks: Clocks | None = None):
         self.generation = index.generation
@@ -225,10 +226,11 @@ class FleetRound:
         tables: list[BlockTable] = []
         self.table_pos: list[int] = []
         windows: list[tuple[float, float, int]] = []
-        # Workers departed now count only for lookups up to their departure plus the band:
-        # judged one by one then (`_other_worker` applies the membership rules), consulted
-        # for nothing after -- so a fleet that churns pays for the few that left lately.
-        gone: list[tuple[float, int]] = []
+        # Workers departed now count only for lookups up to their departure plus the band,
+        # ruled out then by their absence window as any other (or judged one by one, where
+        # `_other_worker` applies the membership rules), consulted for nothing after -- so a
+        # fleet that churns pays for the few that left lately.
+        gone: list[tuple[float, int, tuple[float, float] | None, tuple[BlockTable, ...]]] = []
         current, membership = index.current, index.membership
         for pos, worker in enumerate(self.workers):
             clock = clocks(worker) if clocks is not None else None
@@ -238,11 +240,12 @@ class FleetRound:
             if clock is not None and not clock.within_bound:
                 self.skewed.append((worker, clock, INF if until is None else until))
                 continue
-            if until is not None:
-                gone.append((until, pos))
-                continue
             view = current.get(worker)
             window = _absence_window(view, margin)
+            if until is not None:
+                held = () if window is None else tuple(view.media.values())  # type: ignore[union-attr]
+                gone.append((until, pos, window, held))
+                continue
             if window is None:
                 self.slow.append(pos)
                 continue
@@ -257,9 +260,19 @@ class FleetRound:
         windows.sort(key=lambda w: w[1])
         self._his = [hi for _, hi, _ in windows]
         self._hi_pos = [pos for _, _, pos in windows]
-        gone.sort()
-        self._gone_until = [until for until, _ in gone]
-        self._gone_pos = [pos for _, pos in gone]
+        gone.sort(key=lambda g: g[0])
+        self._gone_until = [g[0] for g in gone]
+        self._gone_pos = [g[1] for g in gone]
+        self._gone_window = [g[2] for g in gone]
+        # Their tables, in that order, for one compiled sweep over those that count at t.
+        self._gone_first_table: list[int] = []
+        gone_tables: list[BlockTable] = []
+        self._gone_table_of: list[int] = []
+        for i, g in enumerate(gone):
+            self._gone_first_table.append(len(gone_tables))
+            gone_tables.extend(g[3])
+            self._gone_table_of.extend([i] * len(g[3]))
+        self._gone_tables = tuple(gone_tables)
 
     def others(self, chosen: str, key: int, t: float) -> list[str]:
         """The workers besides ``chosen`` that have to be judged one by one for ``key`` at
@@ -272,8 +285,17 @@ class FleetRound:
             picked.update(self._hi_pos[:bisect_left(self._his, t)])  # history not proven to t
             table_pos = self.table_pos
             picked.update(table_pos[i] for i in holding(key, self.tables))
-            if self._gone_pos:
-                picked.update(self._gone_pos[bisect_left(self._gone_until, t):])  # left at most a band before t
+            gone_pos = self._gone_pos
+            start = bisect_left(self._gone_until, t) if gone_pos else 0
+            if start < len(gone_pos):  # those that left at most a band before t, unless ruled out as above
+                windows = self._gone_window
+                for i in range(start, len(gone_pos)):
+                    window = windows[i]
+                    if window is None or not window[0] <= t <= window[1]:
+                        picked.add(gone_pos[i])
+                first = self._gone_first_table[start]
+                table_of = self._gone_table_of
+                picked.update(gone_pos[table_of[first + j]] for j in holding(key, self._gone_tables[first:]))
         picked.discard(self.position.get(chosen))  # type: ignore[arg-type]
         workers = self.workers
         return [workers[pos] for pos in sorted(picked)]
