@@ -32,12 +32,17 @@ Phases (each bounded by a batch count and a deadline):
   2. via kvmiss, paced: added latency = (2) - (1) per percentile;
   3. via kvmiss at a fixed offered rate (``--rate``, default 40,000 spans/s), open loop;
   4. via kvmiss, saturated (``--concurrency`` POSTs in flight): spans/s, kvmiss CPU/span.
+  5. with ``--collector-anchor``: the same saturated load through the OpenTelemetry Collector
+     alone (tests/peers/otelcol running benchmarks/collector_anchor.yaml: OTLP/HTTP in ->
+     ``transform`` setting one attribute on the router span -> OTLP/HTTP gzip out to the same
+     sink), right after phase 4 in the same run: spans/s per core for each and their ratio.
 
 ``--pipeline-only`` instead measures `Pipeline.consume` alone in this process on the same
 population and payloads (CPU time, best of ``--repeat``): the enrichment cost without the
 OTLP plumbing, and without the noise of other load on a shared machine.
 
 Usage: .venv/bin/python benchmarks/bench_serve.py [--profile cprofile|py-spy] [--pipeline-only]
+       [--collector-anchor]
 """
 
 from __future__ import annotations
@@ -300,7 +305,7 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pids, lookup_ts, r
     neighbours = {**neighbours, "loadgen": os.getpid()}
     import aiohttp
 
-    total = args.light * 2 + args.warmup + args.rated + args.batches
+    total = args.light * 2 + args.warmup + args.rated + args.batches * (2 if args.collector_port else 1)
     payloads, raw_bytes = build_payloads(total, args.workers, lookup_ts, seed=42)
     gz_bytes = sum(map(len, payloads)) // len(payloads)
     loop = asyncio.get_running_loop()
@@ -381,6 +386,9 @@ async def _loadgen(conn, args, sink_port, kvmiss_port, kvmiss_pids, lookup_ts, r
     results["via_paced"] = await phase(via, take(args.light), paced=True)
     results["via_rated"] = await phase(via, take(args.rated), rate_batches_s=args.rate / SPANS_PER_BATCH)
     results["via_saturated"] = await phase(via, take(args.batches), concurrency=args.concurrency)
+    if args.collector_port:  # the same load through the Collector alone, right after
+        anchor = [f"http://127.0.0.1:{args.collector_port}/v1/traces"]
+        results["collector_saturated"] = await phase(anchor, take(args.batches), concurrency=args.concurrency)
     conn.send(("results", results))
 
 
@@ -501,6 +509,29 @@ def metric_sum(text: str, name: str, label_filter: str = "") -> float:
     return sum(float(v) for labels, v in pattern.findall(text) if label_filter in (labels or ""))
 
 
+def start_anchor_collector(work: Path, sink_port: int) -> subprocess.Popen:
+    """The Collector of tests/peers/otelcol (built or found in its cache by build_stack.sh)
+    running benchmarks/collector_anchor.yaml, sending to the sink; ``.port`` is its OTLP/HTTP."""
+    root = Path(__file__).resolve().parents[1]
+    built = subprocess.run(["bash", str(root / "tests" / "peers" / "build_stack.sh"), "otelcol"],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        sys.exit(f"--collector-anchor: tests/peers/build_stack.sh failed:\n{built.stderr}")
+    port = free_port()
+    env = {**os.environ, "ANCHOR_OTLP_HTTP": f"127.0.0.1:{port}", "ANCHOR_SINK": f"http://127.0.0.1:{sink_port}"}
+    collector = subprocess.Popen([built.stdout.split()[-1], "--config", str(root / "benchmarks" / "collector_anchor.yaml")],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=open(work / "otelcol.log", "wb"))
+    for _ in range(300):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if collector.poll() is not None:
+            sys.exit(f"--collector-anchor: the Collector exited:\n{(work / 'otelcol.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    collector.port = port
+    return collector
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=8)
@@ -526,7 +557,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pipeline-only", action="store_true",
                         help="measure Pipeline.consume's CPU/span in this process instead (no sockets)")
     parser.add_argument("--repeat", type=int, default=5, help="--pipeline-only: best of this many runs")
+    parser.add_argument("--collector-anchor", action="store_true",
+                        help="also run the saturated load through the OpenTelemetry Collector alone (a transform "
+                             "processor setting one attribute; built by tests/peers/build_stack.sh)")
     args = parser.parse_args(argv)
+    args.collector_port = 0
     if args.pipeline_only:
         pipeline_only(args)
         return
@@ -603,10 +638,16 @@ def main(argv: list[str] | None = None) -> None:
                                     "-o", str(profile_out), "--rate", "200", "--threads", "--nonblocking"], stdout=subprocess.DEVNULL)
             procs.append(spy)
 
+        neighbours = {"sink": sink.pid, "publishers": pubs.pid}
+        if args.collector_anchor:
+            collector = start_anchor_collector(work, sink_port)
+            procs.append(collector)
+            args.collector_port = collector.port
+            neighbours["otelcol"] = collector.pid
         gen_conn, child_conn = ctx.Pipe()
         gen = ctx.Process(target=loadgen_main, name="loadgen", daemon=True,
                           args=(child_conn, args, sink_port, http_port, serve_pids, lookup_ts - 0.001, report_sock,
-                                {"sink": sink.pid, "publishers": pubs.pid}))
+                                neighbours))
         gen.start()
         children.append(gen)
         _, results = receive(gen_conn, gen, timeout=900)
@@ -713,6 +754,8 @@ def report(args, results, metrics, tally, population_s, pop_batches, all_batches
             print("  cores busy, saturated: " + ", ".join(f"{n} {c / r['elapsed_s']:.2f}" for n, c in cores.items())
                   + f"; whole machine busy {machine['busy'] / r['elapsed_s']:.2f}, stolen by the hypervisor "
                   f"{machine['steal'] / r['elapsed_s']:.2f}, idle {machine['idle'] / r['elapsed_s']:.2f} (of {os.cpu_count()})")
+    if "collector_saturated" in results:
+        report_anchor(args, results)
     base, via = results["direct_paced"]["e2e_ms"], results["via_paced"]["e2e_ms"]
     rated = results["via_rated"]["e2e_ms"]
     print(f"added latency, paced: p50 {statistics.median(via) - statistics.median(base):.2f} ms, "
@@ -736,6 +779,22 @@ def report(args, results, metrics, tally, population_s, pop_batches, all_batches
                 seen[label] = seen.get(label, 0) + n
     print(f"sink: {tally['spans']:,} spans in {tally['batches']} batches; labels on every 8th batch via kvmiss "
           f"{dict(sorted(seen.items()))}; raw inputs seen there: {raw_seen}")
+
+
+def report_anchor(args, results) -> None:
+    """kvmiss serve against the Collector alone on the same load, per core of CPU each used."""
+    kv, col = results["via_saturated"], results["collector_saturated"]
+    kv_spans, col_spans = kv["delivered"] * SPANS_PER_BATCH, col["delivered"] * SPANS_PER_BATCH
+    kv_per_core = kv_spans / kv["kvmiss_cpu_s"]
+    col_per_core = col_spans / col["others_cpu_s"]["otelcol"]
+    e2e = col["e2e_ms"] or [float("nan")]
+    print(f"Collector alone, {args.concurrency} in flight: {col['delivered']}/{col['batches']} batches, "
+          f"{col_spans / col['elapsed_s']:>8,.0f} spans/s, POST->sink p50 {statistics.median(e2e):7.2f} ms "
+          f"p99 {percentile(e2e, 99):7.2f} ms, statuses {col['statuses']}, "
+          f"otelcol CPU {col['others_cpu_s']['otelcol'] / max(col_spans, 1) * 1e6:.1f} us/span")
+    print(f"anchor, spans/s per core of CPU used: kvmiss serve {kv_per_core:,.0f} ({kv_spans:,} spans, "
+          f"{kv['kvmiss_cpu_s']:.2f} CPU s), Collector + transform {col_per_core:,.0f} ({col_spans:,} spans, "
+          f"{col['others_cpu_s']['otelcol']:.2f} CPU s); kvmiss / Collector = {kv_per_core / col_per_core:.2f}")
 
 
 if __name__ == "__main__":

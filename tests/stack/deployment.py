@@ -14,6 +14,7 @@ free loopback ports. The replicas run kvmiss-replica.toml's settings ([otlp] max
 from __future__ import annotations
 
 import random
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from reliability_rig import BLOCK, PROMPT_TOKENS, Engines, Kvmiss, bring_up, router_attrs, wait_applied
 from stack import COLLECTOR_EXAMPLES, Collector, Jaeger, Prometheus, free_port, http_get, wait_until
@@ -66,6 +67,8 @@ class Replica:
 
     def __init__(self, workdir: Path, name: str, export_grpc: int, workers: dict[str, tuple[str, str]],
                  **config):
+        if config.get("journal"):  # a journal directory of its own
+            config = {**config, "journal": Path(config["journal"]) / name}
         self.workdir, self.name, self.export_grpc, self.workers, self.config = workdir, name, export_grpc, workers, config
         self.grpc, self.http, self.metrics = free_port(), free_port(), free_port()
         self.kvmiss: Kvmiss | None = None
@@ -77,28 +80,57 @@ class Replica:
         return self.kvmiss
 
 
+class HeldSpans(SpanProcessor):
+    """Keeps ended spans instead of exporting them: a slow engine's spans, sent later."""
+
+    def __init__(self):
+        self.spans: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
+
+
 class Router:
     """A router and an engine instrumented with the OTel SDK, exporting OTLP/gRPC to the
-    gateway: per request a ``route`` span (kvmiss's inputs) and a child ``llm_request``."""
+    gateway: per request a ``route`` span (kvmiss's inputs) and a child ``llm_request``.
+    ``late=True`` requests keep the engine's span back until `release_late`."""
 
     def __init__(self, endpoint: str):
+        self.endpoint = endpoint
         self.providers = []
         self.tracers = {}
-        for service in (ROUTER_SERVICE, ENGINE_SERVICE):
-            provider = TracerProvider(resource=Resource.create({"service.name": service}))
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
-                                                           schedule_delay_millis=100, max_export_batch_size=256))
+        self.held = HeldSpans()
+        for service in (ROUTER_SERVICE, ENGINE_SERVICE, "late"):
+            provider = TracerProvider(resource=Resource.create({"service.name": service.replace("late", ENGINE_SERVICE)}))
+            if service == "late":
+                provider.add_span_processor(self.held)
+            else:
+                provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
+                                                               schedule_delay_millis=100, max_export_batch_size=256))
             self.providers.append(provider)
             self.tracers[service] = provider.get_tracer("kvmiss.tests.stack")
 
-    def request(self, rid: str, worker: str, block: int, lookup: float, hit: bool = False) -> str:
+    def release_late(self, chunk: int = 512, pause_s: float = 0.0) -> int:
+        """Exports the held engine spans now, ``chunk`` per request ``pause_s`` apart; returns how many."""
+        spans, self.held.spans = self.held.spans, []
+        exporter = OTLPSpanExporter(endpoint=self.endpoint, insecure=True)
+        for i in range(0, len(spans), chunk):
+            assert exporter.export(spans[i:i + chunk]).name == "SUCCESS", "the gateway refused the late spans"
+            time.sleep(pause_s)
+        exporter.shutdown()
+        return len(spans)
+
+    def request(self, rid: str, worker: str, block: int, lookup: float, hit: bool = False, late: bool = False,
+                engine_facts: bool = False) -> str:
         """Sends one request's two spans; returns its trace id (hex, as Jaeger shows it)."""
         attrs = router_attrs(rid, worker, block, lookup)
+        if engine_facts:  # the prompt length comes from the engine's span (gen_ai.usage.prompt_tokens)
+            del attrs["gen_ai.usage.input_tokens"]
         if hit:
             attrs["gen_ai.usage.cache_read.input_tokens"] = PROMPT_TOKENS - 1  # every full block reused
         with self.tracers[ROUTER_SERVICE].start_as_current_span("route", kind=trace.SpanKind.CLIENT,
                                                                 attributes=attrs) as route:
-            with self.tracers[ENGINE_SERVICE].start_as_current_span(
+            with self.tracers["late" if late else ENGINE_SERVICE].start_as_current_span(
                     "llm_request", kind=trace.SpanKind.SERVER,
                     attributes={"gen_ai.request.id": rid, "gen_ai.usage.prompt_tokens": PROMPT_TOKENS}):
                 pass
@@ -125,7 +157,10 @@ class Sent:
 class Deployment:
     """Starts the parts in dependency order; `close` stops whatever was started."""
 
-    def __init__(self, workdir: Path, *, replicas: int = 2, seed: int = 26, **replica_config_kwargs):
+    def __init__(self, workdir: Path, *, replicas: int = 2, seed: int = 26,
+                 gateway_config: Path = COLLECTOR_EXAMPLES / "replicas.yaml", **replica_config_kwargs):
+        self.gateway_config = gateway_config
+        workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.closers: list = []
         self.rng = random.Random(seed)
@@ -163,7 +198,7 @@ class Deployment:
                 "SPANMETRICS_PROMETHEUS": f"127.0.0.1:{p['spanmetrics']}"}
 
     def start_gateway(self, replica_ports: list[int]) -> Collector:
-        gateway = Collector("otelcol-gateway", COLLECTOR_EXAMPLES / "replicas.yaml", self.workdir,
+        gateway = Collector("otelcol-gateway", self.gateway_config, self.workdir,
                             self.gateway_env(replica_ports), ready_port=self.ports["ingest_grpc"])
         self.closers.append(gateway.kill)
         return gateway
@@ -176,10 +211,14 @@ class Deployment:
         wait_until(self.prometheus.targets_up, "Prometheus to scrape every target", 30)
         return self.prometheus
 
-    def round(self, sent: Sent, requests: int, *, hits: int = 0, allowed=None) -> None:
+    def round(self, sent: Sent, requests: int, *, hits: int = 0, allowed=None, late: bool = False,
+              engine_facts: bool = False) -> None:
         """Every worker stores (mostly its own blocks, one of another's) and evicts some, then
         ``requests`` misses, aiming in turn at each (worker, class) pair -- ``allowed`` ones
-        only, if given -- with a block the truth puts there, and ``hits`` hits."""
+        only, if given -- with a block the truth puts there, and ``hits`` hits.
+        ``late``: the engine spans wait for `router.release_late()`. ``engine_facts``: the
+        prompt length is on the engine's span only, so kvmiss holds each router span until
+        its engine span arrives (or [history] assemble_wait_s passes)."""
         for i, worker in enumerate(WORKERS):  # an engine evicts only what it holds
             held = self.resident.setdefault(worker, set())
             removed = self.rng.sample(sorted(held), min(3, len(held)))
@@ -191,7 +230,8 @@ class Deployment:
             self.engines.publish(worker, stored=stored, removed=removed)
         t = self.engines.mark()
         for replica in self.replicas:
-            wait_applied(replica.kvmiss, dict(self.engines.seqs))
+            if replica.kvmiss.proc.poll() is None:
+                wait_applied(replica.kvmiss, dict(self.engines.seqs))
         targets = sorted(allowed) if allowed is not None else [
             (w, label) for w in WORKERS for label in ("evicted", "no_match", "routing_miss", "resident_miss")]
         universe = [b for w in WORKERS for b in self.own_blocks(w)] + [self.never_stored]
@@ -203,7 +243,7 @@ class Deployment:
                 continue  # that class cannot happen on that worker now
             block = self.rng.choice(blocks)
             rid = f"q{len(sent.requests)}"
-            sent.requests[rid] = (self.router.request(rid, worker, block, t), want)
+            sent.requests[rid] = (self.router.request(rid, worker, block, t, late=late, engine_facts=engine_facts), want)
         for i in range(hits):  # spread over the workers in turn
             rid = f"q{len(sent.requests)}"
             sent.requests[rid] = (self.router.request(rid, WORKERS[i % len(WORKERS)], self.never_stored, t, hit=True), "hit")
