@@ -157,8 +157,9 @@ class Sent:
 class Deployment:
     """Starts the parts in dependency order; `close` stops whatever was started."""
 
-    def __init__(self, workdir: Path, *, replicas: int = 2, seed: int = 26,
+    def __init__(self, workdir: Path, *, replicas: int = 2, listed: int | None = None, seed: int = 26,
                  gateway_config: Path = COLLECTOR_EXAMPLES / "replicas.yaml", **replica_config_kwargs):
+        """``listed``: how many of the replicas the gateway's list names (default: all)."""
         self.gateway_config = gateway_config
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
@@ -175,7 +176,7 @@ class Deployment:
             streams = {w: self.engines.endpoints(w) for w in WORKERS}
             self.replicas = [Replica(workdir, f"kvmiss-{i}", self.ports["enriched"], streams, **replica_config_kwargs)
                              for i in range(replicas)]
-            self.gateway = self.start_gateway([r.grpc for r in self.replicas])
+            self.gateway = self.start_gateway([r.grpc for r in self.replicas[:listed]])
             for replica in self.replicas:  # all subscribed before the engines' first batch
                 replica.start()
                 self.closers.append(lambda r=replica: r.kvmiss and r.kvmiss.kill())
