@@ -151,7 +151,7 @@ class HistoryConfig(_Section):
     aged_out_as_recent_match: bool = False
     # How long (engine time) the blocks whose records retention dropped are remembered, so
     # that a miss needing one answers "aged out" rather than "never stored". Past it they
-    # are forgotten (bounded memory: ~2 bytes per eviction of this horizon) and an absent
+    # are forgotten (bounded memory: ~3.6 bytes per eviction of this horizon) and an absent
     # block is "no recent match" over the window kvmiss still remembers.
     aged_out_horizon_s: float = 3600.0
     # Idle workers publish nothing. A worker's stream that has received nothing for this
