@@ -121,16 +121,20 @@ def say(text: str) -> None:
     print(f"[run_e2e {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def setup(venv: Path, model: Path, scratch: Path, vllm: str = VLLM_VERSION) -> None:
+def setup(venv: Path, model: Path, scratch: Path, vllm: str = VLLM_VERSION, arch: str = "llama") -> None:
     python = venv / "bin" / "python"
     if not python.exists() or not vllm_installed(python):
         install_vllm(venv, vllm)
     say(f"installing kvmiss ({ROOT}) into {venv}")
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)],
                    check=True, stdout=subprocess.DEVNULL)
+    # The tests that run against vLLM's own classes run in this venv (test_hit_rule_vllm.py,
+    # test_vllm_plugin.py): kvmiss's own requirements that vLLM lacks, and the test tools.
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "pytest", "hypothesis", "dnspython>=2.6"],
+                   check=True, stdout=subprocess.DEVNULL)
     if not (model / "config.json").exists():
         say(f"making the tiny model in {model}")
-        subprocess.run([str(python), str(HERE / "make_tiny_model.py"), str(model)], check=True,
+        subprocess.run([str(python), str(HERE / "make_tiny_model.py"), str(model), "--arch", arch], check=True,
                        env={**os.environ, **offline_env(scratch)}, stdout=subprocess.DEVNULL)
 
 
@@ -211,14 +215,15 @@ def render_config(ports: dict[str, int], enriched: Path) -> str:
     return text
 
 
-def vllm_command(python: Path, model: Path, ports: dict[str, int], memory_utilization: float) -> list[str]:
+def vllm_command(python: Path, model: Path, ports: dict[str, int], memory_utilization: float,
+                 pool_blocks: int = 16) -> list[str]:
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://*:{ports['events']}", "replay_endpoint": f"tcp://*:{ports['replay']}",
               "topic": "kv-events"}
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(ports["vllm"]),
             "--dtype", "float32", "--max-model-len", "256", "--block-size", str(BLOCK),
-            "--enable-prefix-caching", "--num-gpu-blocks-override", "16", "--max-num-seqs", "8",
+            "--enable-prefix-caching", "--num-gpu-blocks-override", str(pool_blocks), "--max-num-seqs", "8",
             "--gpu-memory-utilization", str(memory_utilization), "--enforce-eager",
             "--kv-events-config", json.dumps(events),
             "--otlp-traces-endpoint", f"http://127.0.0.1:{ports['otlp_grpc']}",
@@ -264,7 +269,7 @@ class Witness:
     plain msgpack (none of kvmiss's decoding), and the first ``keep_frames`` messages as
     sent -- the oracle of run_field.py."""
 
-    def __init__(self, endpoint: str, keep_frames: int = 0):
+    def __init__(self, endpoint: str, keep_frames: int = 0, keep_all: bool = False):
         import threading
 
         import zmq
@@ -273,7 +278,8 @@ class Witness:
         self.batches: list[tuple[int, float, list]] = []  # (seq, receive time, events)
         self.gaps: list[tuple[int, int]] = []  # (last seq, next seq) around each jump
         self.frames: list[list[bytes]] = []
-        self.keep_frames = keep_frames
+        self.all_frames: list[list[bytes]] = []  # every message, with keep_all (a run's capture)
+        self.keep_frames, self.keep_all = keep_frames, keep_all
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -296,6 +302,8 @@ class Witness:
             self.messages += 1
             if len(self.frames) < self.keep_frames:
                 self.frames.append(frames)
+            if self.keep_all:
+                self.all_frames.append(frames)
             seq = int.from_bytes(frames[1], "big")
             if self.batches and seq != self.batches[-1][0] + 1:
                 self.gaps.append((self.batches[-1][0], seq))
@@ -388,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", type=Path, default=Path(os.environ.get("KVMISS_VLLM_SCRATCH", "/work/vllm-scratch")))
     parser.add_argument("--model", type=Path, help="model folder (default: SCRATCH/tiny-model)")
     parser.add_argument("--setup", action="store_true", help="create the venv / install kvmiss / make the model")
-    parser.add_argument("--start-timeout", type=float, default=240.0)
+    parser.add_argument("--start-timeout", type=float, default=900.0,
+                        help="seconds for vLLM to answer /health (35-80 s idle; minutes on a loaded 2-core box)")
     parser.add_argument("--label-timeout", type=float, default=90.0)
     parser.add_argument("--json", type=Path, help="also write the summary here")
     parser.add_argument("--settle", type=float, default=6.0,

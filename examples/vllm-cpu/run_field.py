@@ -49,6 +49,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import engine_truth  # noqa: E402  (the oracle: the engine's stream and vLLM's hit rule)
 import run_e2e as base  # noqa: E402  (the walkthrough's set-up, processes and span reading)
 
 BLOCK = base.BLOCK
@@ -67,12 +68,18 @@ class Request:
     prompt: list[int]
     gap_s: float  # pause before sending it
     burst: int = 0  # requests of one burst are sent together
+    concurrent: bool = False  # sent through the pool that keeps --in-flight requests in flight
+    full_report: bool = False  # kv_cache_report_mode "full" (vllm_xargs)
     request_id: str = ""
     trace_id: str = ""
     sent_at: float = 0.0
+    done_at: float = 0.0
+    lookup_time: float | None = None  # from llm_request: span start + time in queue (engine clock)
     cached_api: int | None = None
     chain: list[int] = field(default_factory=list)
     truth: str | None = None
+    excluded: str | None = None  # why the oracle did not judge it (ambiguous, ...)
+    truth_detail: dict = field(default_factory=dict)
     labels: list[str] = field(default_factory=list)
     label_spans: list[str] = field(default_factory=list)
     reason: str | None = None
@@ -117,6 +124,27 @@ def workload(n: int, pacing: str, seed: int = 7) -> list[Request]:
             for r in out[i:i + 4]:
                 r.kind, r.prompt, r.burst = "burst_cold", base.prompt(rng.randrange(1 << 30), 70), burst
     return out
+
+
+def hybrid_workload(n: int, seed: int = 11) -> list[Request]:
+    """A Gemma-3-style hybrid (window W = 64 = two 32-token blocks) first meets the designed
+    cases of ATTRIBUTION.md, then the mixed workload: P cold and again (hit); Q sharing P's
+    first 64 tokens (the full-attention group holds them, the window group never kept them:
+    window_limit); R sharing P's first 128; a block-multiple prompt twice; fillers that evict
+    P; P again (evicted, read in the full-attention group) and once more (hit)."""
+    rng = random.Random(seed)
+    p = base.prompt(rng.randrange(1 << 30), 200)
+    s = base.prompt(rng.randrange(1 << 30), 128)
+    designed = [
+        Request("hybrid_P_cold", p, 0.07), Request("hybrid_P_repeat", list(p), 0.07),
+        Request("hybrid_Q_shares_64", p[:64] + base.prompt(rng.randrange(1 << 30), 66), 0.07),
+        Request("hybrid_R_shares_128", p[:128] + base.prompt(rng.randrange(1 << 30), 40), 0.07),
+        Request("hybrid_S_cold_128", s, 0.07), Request("hybrid_S_repeat_128", list(s), 0.07),
+    ]
+    designed += [Request("filler", base.prompt(rng.randrange(1 << 30), 200), 0.07) for _ in range(6)]
+    designed += [Request("hybrid_P_after_fillers", list(p), 0.07), Request("hybrid_P_again", list(p), 0.07),
+                 Request("hybrid_Q2_shares_64", p[:64] + base.prompt(rng.randrange(1 << 30), 50), 0.07)]
+    return designed + workload(max(0, n - len(designed)), "sequential", seed)
 
 
 IDLE_GAPS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -177,44 +205,22 @@ def write_capture(path: Path, version: str, live: list[list[bytes]], replay: lis
                                       "frames": [base64.b64encode(f).decode() for f in frames]}) + "\n")
 
 
-def _event_type(event) -> str:
-    return event["type"] if isinstance(event, dict) else event[0]
-
-
-def _event_hashes(event) -> list[int]:
-    return list(event["block_hashes"] if isinstance(event, dict) else event[1])
-
-
-def judge_truth(requests: list[Request], batches: list[tuple[int, float, list]]) -> None:
-    """Each request's true label from the engine's own stream (see the module docstring)."""
-    for request in requests:
-        n, c = len(request.prompt), request.cached_api
-        if c is None:
-            continue
-        limit = (n - 1) // BLOCK * BLOCK
-        if c >= limit:
-            request.truth = "lookup_limit" if n % BLOCK == 0 and n >= BLOCK and c == limit else "hit"
-            continue
-        h = request.chain[c // BLOCK]
-        store_at = next((i for i, (_, recv, events) in enumerate(batches) if recv >= request.sent_at
-                         and any(_event_type(e) == "BlockStored" and h in _event_hashes(e) for e in events)), None)
-        if store_at is None:
-            continue  # no store of it seen: no truth (not counted)
-        copies: collections.Counter[int] = collections.Counter()
-        ever = False
-        for i, (_, _, events) in enumerate(batches[:store_at + 1]):
-            for event in events:
-                kind = _event_type(event)
-                if kind == "AllBlocksCleared":
-                    copies.clear()
-                    continue
-                for x in _event_hashes(event):
-                    if kind == "BlockStored" and i < store_at:
-                        copies[x] += 1
-                        ever |= x == h
-                    elif kind == "BlockRemoved":
-                        copies[x] = max(0, copies[x] - 1)
-        request.truth = "resident_miss" if copies[h] > 0 else "evicted" if ever else "no_match"
+def judge_truth(requests: list[Request], batches: list[tuple[int, float, list]]) -> dict:
+    """Each request's true label from the engine's own stream (engine_truth.py)."""
+    stream = engine_truth.Stream(batches, BLOCK)
+    lookups = [engine_truth.Lookup(str(i), r.chain, len(r.prompt), r.cached_api, r.sent_at, r.done_at, r.full_report)
+               for i, r in enumerate(requests) if r.cached_api is not None]
+    stream.note_lookups(lookups)
+    re_announcements = stream.mark_re_announcements(lookups)
+    for lk in lookups:
+        r = requests[int(lk.key)]
+        t = stream.judge(lk)
+        r.truth, r.excluded = t.label, t.excluded
+        r.truth_detail = {"predicted": t.predicted, "limiting_group": t.limiting_group, "step": t.step,
+                          "reading": t.reading, **t.detail}
+    return {"groups": {g.idx: {"kind": g.kind, "window": g.window, "block_size": g.block_size}
+                       for g in stream.groups.values()},
+            "re_announcements_skipped": re_announcements, "unmodelled_kinds": stream.unmodelled}
 
 
 # --- the router --------------------------------------------------------------------------------
@@ -250,7 +256,10 @@ def send(port: int, request: Request, router: Router | None) -> None:
 
     x_request_id = uuid.uuid4().hex
     request.request_id = f"cmpl-{x_request_id}-0"  # the id vLLM gives the engine request and llm_request
-    body = json.dumps({"model": "tiny", "prompt": request.prompt, "max_tokens": 1, "temperature": 0.0}).encode()
+    body = {"model": "tiny", "prompt": request.prompt, "max_tokens": 1, "temperature": 0.0}
+    if request.full_report:  # vLLM 0.32+: re-announce the reused chain (SamplingParams.extra_args)
+        body["vllm_xargs"] = {"kv_cache_report_mode": "full"}
+    body = json.dumps(body).encode()
     headers = {"Content-Type": "application/json", "X-Request-Id": x_request_id}
     span = None
     if router is not None:
@@ -264,6 +273,7 @@ def send(port: int, request: Request, router: Router | None) -> None:
     http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST", headers=headers)
     with urllib.request.urlopen(http, timeout=120) as response:
         usage = json.loads(response.read())["usage"]
+    request.done_at = time.time()
     request.cached_api = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     if span is not None:
         chain = request.chain
@@ -278,12 +288,71 @@ def send(port: int, request: Request, router: Router | None) -> None:
         span.end()
 
 
+def mark_modes(requests: list[Request], in_flight: int, concurrent_share: float, full_report_share: float) -> None:
+    """Full reports on a seeded share of the requests; with ``in_flight`` > 1, the last
+    ``concurrent_share`` of the run (the designed cases stay sequential) goes through the pool."""
+    rng = random.Random(5)
+    for r in requests:
+        r.full_report = rng.random() < full_report_share
+    if in_flight > 1:
+        for r in requests[int(len(requests) * (1 - concurrent_share)):]:
+            r.concurrent, r.burst, r.gap_s = True, 0, 0.0
+
+
+def send_in_flight(port: int, requests: list[Request], router: Router | None, in_flight: int) -> None:
+    """Real concurrent traffic: ``in_flight`` clients, each sending its next request as soon as
+    its last one is answered, so the engine schedules several requests per step."""
+    import concurrent.futures
+
+    if router is not None:
+        for r in requests:
+            r.chain = router.chain(r.prompt)
+    with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
+        for future in [pool.submit(send, port, r, router) for r in requests]:
+            future.result()
+
+
+def read_request_records(requests: list[Request], path: Path) -> None:
+    """The lookup time kvmiss used for each request (its ``[export] request_records``)."""
+    by_trace = {r.trace_id: r for r in requests}
+    if not path.exists():
+        return
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        r = by_trace.get(record.get("trace_id"))
+        if r is not None and record.get("lookup_time") is not None:
+            r.lookup_time = record["lookup_time"]
+
+
+def write_run_capture(path: Path, recorder, requests: list[Request], summary: dict) -> None:
+    """The whole run as a test fixture: every live message as the engine sent it (frames in
+    base64, receive time), then one line per request with what kvmiss was given (chain, counts,
+    lookup time), the oracle's truth and kvmiss's live label. No token ids: chains only."""
+    import base64
+
+    with open(path, "w") as out:
+        out.write(json.dumps({"run": {k: summary[k] for k in (
+            "arch", "mode", "in_flight", "pool_blocks", "groups", "requests", "with_truth", "misses", "wrong",
+            "unknown", "excluded", "re_announcements_skipped", "unmodelled_kinds")}}) + "\n")
+        for frames, (seq, recv, _) in zip(recorder.all_frames, recorder.batches):
+            out.write(json.dumps({"source": "live", "seq": seq, "recv_ts": recv,
+                                  "frames": [base64.b64encode(f).decode() for f in frames]}) + "\n")
+        for r in requests:
+            out.write(json.dumps({"request": {
+                "kind": r.kind, "prompt_tokens": len(r.prompt), "cached_tokens": r.cached_api, "block_size": BLOCK,
+                "worker": WORKER, "lookup_time": r.lookup_time, "block_hashes": r.chain,
+                "full_report": r.full_report, "concurrent": r.concurrent, "sent_at": r.sent_at, "done_at": r.done_at,
+                "truth": r.truth, "excluded": r.excluded, "kvmiss_live": r.labels[0] if r.labels else None}}) + "\n")
+
+
 # --- the run -----------------------------------------------------------------------------------
 
 
 def render_config(ports: dict[str, int], enriched: Path) -> str:
     text = base.render_config(ports, enriched)
     text = text.replace('hash_algo = "sha256"', f'hash_algo = "{ALGO}"\nhash_seed = "{SEED}"')
+    records = json.dumps(str(enriched.with_name("request-records.jsonl")))
+    text = text.replace("[export]\n", f"[export]\nrequest_records = {records}\n", 1)
     assert f'"{ALGO}"' in text
     return text
 
@@ -331,14 +400,30 @@ def summarise(requests: list[Request], mode: str, pacing: str, extra: dict) -> d
     by_truth: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
     for r in judged:
         by_truth[r.truth][r.labels[0] if r.labels else "(none)"] += 1
+    excluded = collections.Counter((r.excluded or "").split(":")[0] for r in requests if r.excluded)
+    # A kind the oracle does not model either (Mamba, linear attention): every miss must be an
+    # honest unknown_history whose reason names the kind.
+    kinds = extra.get("unmodelled_kinds") or []
+    unmodelled = [r for r in requests if (r.excluded or "").startswith("unmodelled")
+                  and r.cached_api is not None and r.cached_api < (len(r.prompt) - 1) // BLOCK * BLOCK]
+    unmodelled_ok = [r for r in unmodelled if r.labels[:1] == ["unknown_history"]
+                     and any(k in (r.reason or "") for k in kinds)]
     return {
         "mode": mode, "pacing": pacing, "requests": len(requests), "with_truth": len(judged),
-        "misses": len(misses), "wrong": len(wrong), "unknown": len(unknown),
+        "excluded": dict(excluded), "misses": len(misses), "wrong": len(wrong), "unknown": len(unknown),
         "unknown_share_of_misses": round(len(unknown) / len(misses), 4) if misses else 0.0,
         "two_labels": len(conflicting), "labelled_twice": len(doubled), "unlabelled": len(unlabelled),
         "truth_vs_label": {k: dict(v) for k, v in sorted(by_truth.items())},
-        "wrong_detail": [{"kind": r.kind, "truth": r.truth, "labels": r.labels, "reason": r.reason} for r in wrong[:10]],
+        "wrong_detail": [{"kind": r.kind, "truth": r.truth, "labels": r.labels, "reason": r.reason,
+                          "cached": r.cached_api, "tokens": len(r.prompt), "oracle": r.truth_detail}
+                         for r in wrong[:10]],
         "unknown_reasons": dict(collections.Counter((r.reason or "")[:90] for r in unknown)),
+        "designed": {r.kind: {"truth": r.truth, "label": r.labels[0] if r.labels else None, "cached": r.cached_api}
+                     for r in requests if r.kind.startswith("hybrid_")},
+        "unmodelled_misses": len(unmodelled), "unmodelled_unknown_naming_kind": len(unmodelled_ok),
+        "unmodelled_labels": dict(collections.Counter(r.labels[0] if r.labels else "(none)" for r in unmodelled)),
+        "concurrent_requests": sum(r.concurrent for r in requests),
+        "full_report_requests": sum(r.full_report for r in requests),
         **extra,
     }
 
@@ -351,8 +436,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("KVMISS_VLLM_VENV", "/work/vllm-venv")))
     parser.add_argument("--scratch", type=Path, default=Path(os.environ.get("KVMISS_VLLM_SCRATCH", "/work/vllm-scratch")))
     parser.add_argument("--setup", action="store_true", help="create the venv / install kvmiss / make the model")
-    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--arch", choices=("llama", "gemma3", "granite-hybrid", "qwen3-next"), default="llama",
+                        help="the tiny model (make_tiny_model.py): gemma3 is a sliding-window hybrid, "
+                             "granite-hybrid / qwen3-next a Mamba / linear-attention one")
+    parser.add_argument("--workload", choices=("field", "hybrid"), default="field",
+                        help="hybrid: the designed window cases first, then the field mix")
+    parser.add_argument("--pool-blocks", type=int, default=POOL_BLOCKS, help="--num-gpu-blocks-override")
+    parser.add_argument("--in-flight", type=int, default=1,
+                        help="keep this many requests in flight (concurrent traffic: several requests "
+                             "per engine step) for a share of the run: --concurrent-share")
+    parser.add_argument("--concurrent-share", type=float, default=0.5)
+    parser.add_argument("--full-report-share", type=float, default=0.0,
+                        help='share of requests sent with vllm_xargs {"kv_cache_report_mode": "full"}')
+    parser.add_argument("--capture-run", type=Path,
+                        help="write the whole run (every live message, kvmiss's request records, the truth) "
+                             "as a test fixture (tests/data/engines/)")
     parser.add_argument("--kvmiss-python", type=Path, default=Path(sys.executable),
                         help="the interpreter whose kvmiss serves (another checkout's venv, for an A/B)")
     parser.add_argument("--capture", type=Path, help="write the engine's first live and replayed messages here")
@@ -360,34 +460,39 @@ def main(argv: list[str] | None = None) -> int:
 
     scratch = args.scratch.resolve()
     scratch.mkdir(parents=True, exist_ok=True)
-    model = scratch / "tiny-model"
+    model = scratch / ("tiny-model" if args.arch == "llama" else f"tiny-{args.arch}")
     if args.setup:
-        base.setup(args.vllm_venv, model, scratch)
+        base.setup(args.vllm_venv, model, scratch, arch=args.arch)
     python = args.vllm_venv / "bin" / "python"
     if not python.exists() or not (model / "config.json").exists():
         raise SystemExit(f"no vLLM venv at {args.vllm_venv} or no model at {model}: run with --setup")
-    run_dir = scratch / f"field-{args.mode.replace('+', '-')}-{args.pacing}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = scratch / f"field-{args.arch}-{args.mode.replace('+', '-')}-{args.pacing}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir()
     ports = {name: base.free_port() for name in ("otlp_grpc", "otlp_http", "metrics", "events", "replay", "vllm")}
     enriched = run_dir / "enriched.jsonl"
     config = run_dir / "kvmiss.toml"
     config.write_text(render_config(ports, enriched))
-    requests = workload(args.requests, args.pacing)
+    requests = (hybrid_workload(args.requests) if args.workload == "hybrid" else workload(args.requests, args.pacing))
+    mark_modes(requests, args.in_flight, args.concurrent_share, args.full_report_share)
 
     kvmiss = vllm = router = recorder = None
     extra: dict = {}
+    metrics = ""
     try:
         base.say(f"kvmiss serve --config {config}")
         kvmiss = subprocess.Popen([str(args.kvmiss_python), "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
                                   stdout=open(run_dir / "kvmiss.log", "w"), stderr=subprocess.STDOUT)
         base.wait_http(f"http://127.0.0.1:{ports['metrics']}/healthz", 30, kvmiss, "kvmiss serve")
-        recorder = base.Witness(f"tcp://127.0.0.1:{ports['events']}", keep_frames=CAPTURE_MESSAGES)
+        recorder = base.Witness(f"tcp://127.0.0.1:{ports['events']}", keep_frames=CAPTURE_MESSAGES,
+                                keep_all=args.capture_run is not None)
         plugins = "kvmiss" if "plugin" in args.mode else "kvmiss-disabled"
         env = {**os.environ, **base.offline_env(scratch), "VLLM_PLUGINS": plugins, "PYTHONHASHSEED": SEED,
                "OTEL_RESOURCE_ATTRIBUTES": f"kvmiss.worker={WORKER}", "OTEL_SERVICE_NAME": "vllm-cpu"}
-        command = base.vllm_command(python, model, ports, 0.1) + ["--prefix-caching-hash-algo", ALGO]
+        command = base.vllm_command(python, model, ports, 0.1, args.pool_blocks) + ["--prefix-caching-hash-algo", ALGO]
         (run_dir / "vllm-command.txt").write_text(" ".join(command) + "\n")
-        base.say(f"starting vLLM ({args.mode}, {args.pacing}, {len(requests)} requests)")
+        base.say(f"starting vLLM ({args.arch}, {args.mode}, {args.pacing}, {len(requests)} requests, "
+                 f"{args.in_flight} in flight for {sum(r.concurrent for r in requests)}, "
+                 f"{sum(r.full_report for r in requests)} with full reports)")
         vllm = subprocess.Popen(command, env=env, cwd=scratch, stdout=open(run_dir / "vllm.log", "w"),
                                 stderr=subprocess.STDOUT)
         base.wait_http(f"http://127.0.0.1:{ports['vllm']}/health", args.start_timeout, vllm, "vLLM", run_dir / "vllm.log")
@@ -398,6 +503,14 @@ def main(argv: list[str] | None = None) -> int:
         i = 0
         while i < len(requests):
             request = requests[i]
+            if request.concurrent:  # a run of concurrent requests: --in-flight of them at all times
+                j = i
+                while j < len(requests) and requests[j].concurrent:
+                    j += 1
+                send_in_flight(ports["vllm"], requests[i:j], router, args.in_flight)
+                i = j
+                base.say(f"{i}/{len(requests)} sent ({args.in_flight} in flight); kvmiss RSS {rss_mb(kvmiss.pid):.0f} MB")
+                continue
             time.sleep(request.gap_s)
             group = [r for r in requests[i:i + 4] if request.burst and r.burst == request.burst] or [request]
             if router is not None:
@@ -457,9 +570,15 @@ def main(argv: list[str] | None = None) -> int:
         hasher = BlockHasher(ALGO, seed=SEED, block_size=BLOCK)
         for r in requests:
             r.chain = [external_hash(d) for d in hasher.hash_request(r.prompt)]
-    judge_truth(requests, recorder.batches)
+    extra.update(judge_truth(requests, recorder.batches))
     collect_labels(requests, spans)
+    read_request_records(requests, run_dir / "request-records.jsonl")
+    extra["arch"], extra["in_flight"], extra["pool_blocks"] = args.arch, args.in_flight, args.pool_blocks
+    extra["kvmiss_metrics"] = {name: metric(metrics, name) for name in (
+        "kvmiss_re_announcements_total", "kvmiss_stream_gaps_total", "kvmiss_stream_batches_applied_total")}
     summary = summarise(requests, args.mode, args.pacing, extra)
+    if args.capture_run is not None:
+        write_run_capture(args.capture_run, recorder, requests, summary)
     summary["run_dir"] = str(run_dir)
     (run_dir / "requests.json").write_text(json.dumps([r.__dict__ | {"prompt": len(r.prompt), "chain": len(r.chain)}
                                                        for r in requests], indent=0))
