@@ -329,8 +329,9 @@ def write_run_capture(path: Path, recorder, requests: list[Request], summary: di
     base64, receive time), then one line per request with what kvmiss was given (chain, counts,
     lookup time), the oracle's truth and kvmiss's live label. No token ids: chains only."""
     import base64
+    import gzip
 
-    with open(path, "w") as out:
+    with (gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w")) as out:
         out.write(json.dumps({"run": {k: summary[k] for k in (
             "arch", "mode", "in_flight", "pool_blocks", "groups", "requests", "with_truth", "misses", "wrong",
             "unknown", "excluded", "re_announcements_skipped", "unmodelled_kinds")}}) + "\n")

@@ -1,0 +1,111 @@
+"""Whole runs of the real vLLM CPU engine, captured (examples/vllm-cpu/run_field.py
+--capture-run), replayed through kvmiss with no engine: every live message the engine
+published, as sent, and each request as kvmiss was given it (chain, counts, and the lookup
+time it took from vLLM's ``llm_request``).
+
+The expected labels are not stored: they are derived here from the captured stream by the
+oracle the live run used (examples/vllm-cpu/engine_truth.py: residency per KV-cache group,
+vLLM's hit rule, checked against the engine's own cached-token counts). The frames go through
+kvmiss's own path -- a recording played by `collectors.fleet` into a residency index -- and
+every request the oracle judged must get its label (an ``unknown_*`` answer counts against
+the 1 % budget, never as right).
+
+* ``vllm-0.32.0-gemma3-run``: a Gemma-3-style hybrid (window group 0, full-attention group 1),
+  the designed window cases, then 8 requests in flight.
+* ``vllm-0.32.0-llama-full-report-run``: the single-group Llama with
+  ``kv_cache_report_mode: "full"`` on half the requests, the last part 8 in flight.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.service.offline import index_from_recording
+from kvmiss.schemas.attribution import RequestFacts
+from kvmiss.schemas.config import WorkerSpec
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA = ROOT / "tests" / "data" / "engines"
+sys.path.insert(0, str(ROOT / "examples" / "vllm-cpu"))
+import engine_truth  # noqa: E402
+
+RUNS = sorted(DATA.glob("vllm-*-run.jsonl.gz"))
+WORKER = "vllm-cpu-0"
+UNKNOWN_BUDGET = 0.01
+
+
+def load(path: Path) -> tuple[dict, list[dict], list[dict]]:
+    rows = [json.loads(line) for line in gzip.open(path, "rt") if line.strip()]
+    run = next(r["run"] for r in rows if "run" in r)
+    return run, [r for r in rows if r.get("source") == "live"], [r["request"] for r in rows if "request" in r]
+
+
+def truth(live: list[dict], requests: list[dict]) -> tuple[engine_truth.Stream, list[engine_truth.Truth]]:
+    batches = [(m["seq"], m["recv_ts"], msgspec.msgpack.decode(base64.b64decode(m["frames"][2]))[1]) for m in live]
+    stream = engine_truth.Stream(batches, 32)
+    lookups = [engine_truth.Lookup(str(i), r["block_hashes"], r["prompt_tokens"], r["cached_tokens"], r["sent_at"],
+                                   r["done_at"], r["full_report"]) for i, r in enumerate(requests)]
+    stream.note_lookups(lookups)
+    stream.mark_re_announcements(lookups)
+    return stream, [stream.judge(lk) for lk in lookups]
+
+
+def kvmiss_labels(live: list[dict], requests: list[dict], tmp_path: Path) -> list[str]:
+    recording = tmp_path / "run.kvrec"
+    with RecordingWriter(recording) as writer:
+        for m in live:
+            writer.write(RecordedMessage(m["recv_ts"], WORKER, "sub", [base64.b64decode(f) for f in m["frames"]]))
+    index = index_from_recording(str(recording), [WorkerSpec(id=WORKER, endpoint="recorded")])
+    attributor = Attributor(index)
+    labels = []
+    for r in requests:
+        facts = RequestFacts(prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"],
+                             block_size=r["block_size"], worker=r["worker"], lookup_time=r["lookup_time"],
+                             block_hashes=r["block_hashes"])
+        labels.append(attributor.attribute(facts).label.value)
+    return labels
+
+
+def test_captures_of_the_hybrid_and_full_report_runs_are_present():
+    names = {p.name for p in RUNS}
+    assert {"vllm-0.32.0-gemma3-run.jsonl.gz", "vllm-0.32.0-llama-full-report-run.jsonl.gz"} <= names, names
+
+
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: p.name)
+def test_kvmiss_gives_the_engines_truth_on_a_captured_run(path, tmp_path):
+    run, live, requests = load(path)
+    assert [m["seq"] for m in live] == list(range(len(live))), "the capture has a gap: it proves nothing"
+    stream, truths = truth(live, requests)
+    assert not any(t.excluded == "oracle_mismatch" for t in truths), "the hit rule did not give the engine's count"
+    labels = kvmiss_labels(live, requests, tmp_path)
+
+    judged = [(t.label, got, r) for t, got, r in zip(truths, labels, requests) if t.label is not None]
+    misses = [x for x in judged if x[0] not in ("hit", "lookup_limit")]
+    wrong = [(want, got, r["kind"]) for want, got, r in judged if not got.startswith("unknown") and got != want]
+    unknown = [x for x in misses if x[1].startswith("unknown")]
+    assert wrong == [], wrong
+    assert len(unknown) <= UNKNOWN_BUDGET * len(misses), collections.Counter(x[1] for x in unknown)
+    # The run judged what the capture says it judged, and kvmiss offline agrees with kvmiss live.
+    assert len(judged) == run["with_truth"] and len(misses) == run["misses"]
+    live_labels = [r["kvmiss_live"] for t, r in zip(truths, requests) if t.label is not None]
+    assert live_labels == [got for _, got, _ in judged]
+    seen = {want for want, _, _ in judged}
+    assert {"hit", "no_match", "evicted"} <= seen
+    if len(stream.groups) > 1:  # the hybrid: its window group limited some hits
+        assert "window_limit" in seen and {g.kind for g in stream.groups.values()} == {"sliding_window",
+                                                                                        "full_attention"}
+    if any(r["full_report"] for r in requests):
+        assert stream.skipped, "full report mode re-announced nothing"
+    if any(r["concurrent"] for r in requests):
+        excluded = collections.Counter((t.excluded or "").split(":")[0] for t in truths if t.excluded)
+        assert set(excluded) <= {"ambiguous", "no_store_seen"}, excluded
