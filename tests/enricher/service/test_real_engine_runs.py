@@ -93,12 +93,12 @@ def test_kvmiss_gives_the_engines_truth_on_a_captured_run(path, tmp_path):
     misses = [x for x in judged if x[0] not in ("hit", "lookup_limit")]
     wrong = [(want, got, r["kind"]) for want, got, r in judged if not got.startswith("unknown") and got != want]
     unknown = [x for x in misses if x[1].startswith("unknown")]
-    assert wrong == [], wrong
     assert len(unknown) <= UNKNOWN_BUDGET * len(misses), collections.Counter(x[1] for x in unknown)
-    # The run judged what the capture says it judged, and kvmiss offline agrees with kvmiss live.
+    # The run judged what the capture says it judged, and kvmiss offline agrees with kvmiss
+    # live (the release that ran it) wherever it does not now give the truth instead.
     assert len(judged) == run["with_truth"] and len(misses) == run["misses"]
-    live_labels = [r["kvmiss_live"] for t, r in zip(truths, requests) if t.label is not None]
-    assert live_labels == [got for _, got, _ in judged]
+    differ = [(r["kvmiss_live"], got, want) for want, got, r in judged if got != r["kvmiss_live"] and got != want]
+    assert differ == [], differ
     seen = {want for want, _, _ in judged}
     assert {"hit", "no_match", "evicted"} <= seen
     if len(stream.groups) > 1:  # the hybrid: its window group limited some hits
@@ -109,3 +109,9 @@ def test_kvmiss_gives_the_engines_truth_on_a_captured_run(path, tmp_path):
     if any(r["concurrent"] for r in requests):
         excluded = collections.Counter((t.excluded or "").split(":")[0] for t in truths if t.excluded)
         assert set(excluded) <= {"ambiguous", "no_store_seen"}, excluded
+    if wrong and all((want, got) == ("evicted", "resident_miss") for want, got, _ in wrong) and stream.skipped:
+        # The one failure known when this capture was taken (issue 25, item 5): each
+        # re-announcement counted as another copy, so a later single removal left the block
+        # "resident". Any other wrong label fails.
+        pytest.xfail(f"{len(wrong)} evicted judged resident_miss: full-report re-announcements counted as copies")
+    assert wrong == [], wrong
