@@ -90,7 +90,7 @@ def model_for(arch: str, ids: dict):
             **common, head_dim=32, layer_types=["linear_attention", "full_attention"],
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
             decoder_sparse_step=1, mlp_only_layers=[],  # vLLM's Qwen3-Next needs its MoE layers
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
             linear_conv_kernel_dim=4, full_attention_interval=2))
     raise ValueError(f"unknown arch {arch!r}: one of {', '.join(ARCHS)}")
 

@@ -442,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=("llama", "gemma3", "granite-hybrid", "qwen3-next"), default="llama",
                         help="the tiny model (make_tiny_model.py): gemma3 is a sliding-window hybrid, "
                              "granite-hybrid / qwen3-next a Mamba / linear-attention one")
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (vLLM's CPU GDN layers need bfloat16)")
     parser.add_argument("--workload", choices=("field", "hybrid"), default="field",
                         help="hybrid: the designed window cases first, then the field mix")
     parser.add_argument("--pool-blocks", type=int, default=POOL_BLOCKS, help="--num-gpu-blocks-override")
@@ -490,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, **base.offline_env(scratch), "VLLM_PLUGINS": plugins, "PYTHONHASHSEED": SEED,
                "OTEL_RESOURCE_ATTRIBUTES": f"kvmiss.worker={WORKER}", "OTEL_SERVICE_NAME": "vllm-cpu"}
         command = base.vllm_command(python, model, ports, 0.1, args.pool_blocks) + ["--prefix-caching-hash-algo", ALGO]
+        command[command.index("--dtype") + 1] = args.dtype
         (run_dir / "vllm-command.txt").write_text(" ".join(command) + "\n")
         base.say(f"starting vLLM ({args.arch}, {args.mode}, {args.pacing}, {len(requests)} requests, "
                  f"{args.in_flight} in flight for {sum(r.concurrent for r in requests)}, "
