@@ -86,8 +86,11 @@ def model_for(arch: str, ids: dict):
     if arch == "qwen3-next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+        # Wide attention heads: vLLM sizes the attention block so that its page holds at least
+        # one layer's recurrent state; with 32-wide heads that was 544 tokens, more than the
+        # prompts, and no block was ever cached.
         return Qwen3NextForCausalLM(Qwen3NextConfig(
-            **common, head_dim=32, layer_types=["linear_attention", "full_attention"],
+            **{**common, "num_key_value_heads": 4}, head_dim=128, layer_types=["linear_attention", "full_attention"],
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
             decoder_sparse_step=1, mlp_only_layers=[],  # vLLM's Qwen3-Next needs its MoE layers
             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
