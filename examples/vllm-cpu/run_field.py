@@ -207,7 +207,7 @@ def write_capture(path: Path, version: str, live: list[list[bytes]], replay: lis
 
 def judge_truth(requests: list[Request], batches: list[tuple[int, float, list]]) -> dict:
     """Each request's true label from the engine's own stream (engine_truth.py)."""
-    stream = engine_truth.Stream(batches, BLOCK)
+    stream = engine_truth.Stream(batches, BLOCK)  # (the module's BLOCK: --hash-block)
     lookups = [engine_truth.Lookup(str(i), r.chain, len(r.prompt), r.cached_api, r.sent_at, r.done_at, r.full_report)
                for i, r in enumerate(requests) if r.cached_api is not None]
     stream.note_lookups(lookups)
@@ -443,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the tiny model (make_tiny_model.py): gemma3 is a sliding-window hybrid, "
                              "granite-hybrid / qwen3-next a Mamba / linear-attention one")
     parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (vLLM's CPU GDN layers need bfloat16)")
+    parser.add_argument("--hash-block", type=int, default=base.BLOCK,
+                        help="the engine's block size for hashing, as its events show it: a Mamba hybrid's "
+                             "attention block grows to hold a layer's state (96 tokens for the tiny qwen3-next); "
+                             "the router's chains, the oracle and the workload use it")
     parser.add_argument("--workload", choices=("field", "hybrid"), default="field",
                         help="hybrid: the designed window cases first, then the field mix")
     parser.add_argument("--pool-blocks", type=int, default=POOL_BLOCKS, help="--num-gpu-blocks-override")
@@ -459,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the interpreter whose kvmiss serves (another checkout's venv, for an A/B)")
     parser.add_argument("--capture", type=Path, help="write the engine's first live and replayed messages here")
     args = parser.parse_args(argv)
+    global BLOCK
+    BLOCK = args.hash_block
 
     scratch = args.scratch.resolve()
     scratch.mkdir(parents=True, exist_ok=True)
