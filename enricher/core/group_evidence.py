@@ -143,5 +143,8 @@ def limiting_group_evidence(view: EpochView, facts: RequestFacts, step_seq: int,
     clear = view.last_clear_between(run.start_seq, step_seq + 1)
     start = (dict(window_start=WindowStart.CLEAR, window_start_ts=clear[1]) if clear is not None
              else dict(window_start=WindowStart.EPOCH_START, window_start_ts=run.start_ts))
+    forgotten = view.pruned.forgotten_through  # aged-out blocks forgotten past the horizon
+    if forgotten is not None and start["window_start_ts"] < forgotten:
+        start = dict(window_start=WindowStart.HORIZON, window_start_ts=forgotten)  # "not recently"
     return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT, group=failing[0][0],
                     window_group=True, window_limit=True, **start, **base)

@@ -191,3 +191,33 @@ def test_the_filter_forgets_whole_generations_only_past_the_horizon():
     assert pruned.forgotten_through is not None and 395 - 125 <= pruned.forgotten_through < 395 - 100
     assert pruned.count == sum(len(hs) for at, hs in by_time.items() if at > pruned.forgotten_through)
     assert pruned.forgotten + pruned.count == 500 * len(by_time)
+
+
+def test_a_window_group_block_forgotten_past_the_horizon_is_window_limit_over_the_remembered_window():
+    """Hybrid: the window group's copy of Q's shared blocks was evicted long ago. Inside the
+    aged-out horizon that is aged out (it may have been evicted, not never stored); once
+    forgotten it is window_limit with the window it is proven over (`horizon`), not "since
+    the epoch start"."""
+    from fleet_builders import FULL, WINDOW, WorkerFeed, chain_request, full_stored, group_removed, window_stored
+
+    p = [0xA000 + i for i in range(6)]
+    q = p[:2] + [0xB000, 0xB001]
+    index, a = ResidencyIndex(retention_s=5.0, aged_out_horizon_s=10.0), WorkerFeed("A")
+    events = {3: [window_stored(p[0], p[1]), full_stored(*p)], 4: group_removed(WINDOW, p[0], p[1])}
+
+    def judge_at(seq: int):
+        return Attributor(index).attribute(chain_request("A", a.ts(seq) - 0.5, q, prompt_tokens=130, cached_tokens=0))
+
+    for b in a.batches(range(0, 61), events):
+        index.apply(b)
+        index.prune(b.ts)
+        if b.seq == 14:  # dropped by retention at ~9 s, remembered
+            v = judge_at(14)
+            assert v.label is Label.UNKNOWN_HISTORY and v.history is History.AGED_OUT, v
+    assert index.views("A")[0].primary_group == FULL
+    forgotten = index.views("A")[0].pruned.forgotten_through
+    assert forgotten is not None
+    v = judge_at(60)
+    assert v.label is Label.WINDOW_LIMIT, v
+    ev = gather(index, chain_request("A", a.ts(60) - 0.5, q, prompt_tokens=130, cached_tokens=0))
+    assert ev.window_start is WindowStart.HORIZON and ev.window_start_ts == forgotten
