@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from zmq_ports import quiet_port
+
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "tests" / "peers"
 HERE = Path(__file__).resolve().parent
@@ -61,9 +63,9 @@ def missing_parts() -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Below the ephemeral range (zmq_ports.quiet_port): the stack takes a dozen ports at once,
+    and an outgoing connection elsewhere must not take one before its process binds it."""
+    return quiet_port()
 
 
 def wait_until(condition: Callable[[], object], what: str, timeout: float, interval: float = 0.1):
