@@ -1,7 +1,7 @@
 """Verdict latency: evidence gathering + verdict for one request, once its history is there.
 
     .venv/bin/python benchmarks/bench_verdict.py [--workers 8] [--blocks 100000] [--requests 20000]
-        [--joined 0] [--departed 0 [--in-band]]
+        [--joined 0] [--departed 0 [--in-band]] [--hybrid]
 
 A fleet of ``--workers`` epochs, each holding ``--blocks`` resident blocks with churn
 (evictions), a batch log of 50,000 steps; requests pick a worker and a first-miss block
@@ -17,6 +17,10 @@ nothing). Requests choose among the members only, so the labels are the static f
 ``--in-band``: the departures are seen at the middle lookup time and every lookup is within a
 second of it, inside the uncertainty band: each departed worker counts for every request
 (ruled out by its history, or unsettled) -- a rolling deploy's worst moment.
+
+``--hybrid``: every worker is a hybrid model's (group 1 full attention, group 0 a sliding
+window of 33 tokens, 2 blocks, keeping every other chunk), so each miss the full-attention
+group held is judged in the window group too (enricher/core/group_evidence.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from kvmiss.schemas.stream import AppliedBatch, RunStart
 STEPS = 50_000
 
 
-def build(workers: range, blocks: int, rng: random.Random, index: ResidencyIndex | None = None):
+def build(workers: range, blocks: int, rng: random.Random, index: ResidencyIndex | None = None,
+          hybrid: bool = False):
     index = index or ResidencyIndex([f"w{i}" for i in workers], retention_s=1e9)
     held: dict[str, list[int]] = {}
     evicted: dict[str, list[int]] = {}
@@ -53,11 +58,18 @@ def build(workers: range, blocks: int, rng: random.Random, index: ResidencyIndex
             events = []
             chunk = hashes[cursor:cursor + per_step]
             cursor += per_step
-            if chunk:
+            if chunk and not hybrid:
                 events.append(BlockStored(block_hashes=chunk, block_size=16))
+            elif chunk:
+                events.append(BlockStored(block_hashes=chunk, block_size=16, group_idx=1,
+                                          kv_cache_spec_kind="full_attention"))
+                if seq % 2:
+                    events.append(BlockStored(block_hashes=chunk, block_size=16, group_idx=0,
+                                              kv_cache_spec_kind="sliding_window",
+                                              kv_cache_spec_sliding_window=33))
             if seq % 10 == 9 and cursor > 100:
                 victim = hashes[rng.randrange(min(cursor, len(hashes)) - 100)]
-                events.append(BlockRemoved(block_hashes=[victim]))
+                events.append(BlockRemoved(block_hashes=[victim], group_idx=1 if hybrid else None))
                 evicted[worker].append(victim)
             index.apply(AppliedBatch(worker=worker, epoch=0, seq=seq, ts=1000.0 + seq * 0.01,
                                      recv_ts=1000.0 + seq * 0.01, events=events,
@@ -93,6 +105,7 @@ def main() -> None:
     parser.add_argument("--joined", type=int, default=0, help="of --workers, how many a source announced")
     parser.add_argument("--departed", type=int, default=0, help="workers besides --workers that left the fleet")
     parser.add_argument("--in-band", action="store_true", help="departures seen within a second of every lookup")
+    parser.add_argument("--hybrid", action="store_true", help="hybrid models: a full-attention and a window group")
     args = parser.parse_args()
     rng = random.Random(11)
     total = args.workers + args.departed
@@ -102,7 +115,7 @@ def main() -> None:
     if args.joined:  # announced before their first batch, as a source does
         index.apply_fleet_change(FleetChange(at=before, source="file", joined=tuple(
             WorkerSpec(id=f"w{i}", endpoint=f"tcp://10.0.0.1:{6000 + i}") for i in range(static, args.workers))))
-    index, held, evicted = build(range(args.workers), args.blocks, rng, index)
+    index, held, evicted = build(range(args.workers), args.blocks, rng, index, args.hybrid)
     middle = 1000.0 + STEPS * 0.75 * 0.01
     if args.departed:  # (the requests are drawn as without them: the labels stay the static fleet's)
         build(range(args.workers, total), args.blocks, random.Random(12), index)
@@ -126,7 +139,7 @@ def main() -> None:
             labels[verdict.label.value] = labels.get(verdict.label.value, 0) + 1
         passes.append((percentiles(wall), percentiles(cpu), labels))
     wall_pct, cpu_pct, labels = min(passes, key=lambda p: p[0][0.99])
-    print(f"{args.workers} workers x {args.blocks:,} blocks, {STEPS:,} steps each; {args.requests:,} requests, "
+    print(f"{args.workers} workers x {args.blocks:,} blocks{' (hybrid)' if args.hybrid else ''}, {STEPS:,} steps each; {args.requests:,} requests, "
           f"best of {args.repeat} passes by wall-clock p99"
           + (f"; {args.joined} joined, {args.departed} departed" if args.joined or args.departed else "")
           + (" within the band of every lookup" if args.in_band else ""))

@@ -436,8 +436,9 @@ static int scan_event(Reader *r, Scan *s) {
     uint32_t seen = 0;
     const char *medium = NULL;
     uint32_t medium_len = 0;
-    int medium_nil = 1, group_none = 1;
+    int medium_nil = 1, group_none = 1, root = 1;
     int64_t group = 0;
+    uint32_t block_size = 0;
     /* The tag may come anywhere in the map: first pass reads every value, the type's field
      * set is checked once the tag is known. */
     for (uint32_t i = 0; i < pairs; i++) {
@@ -493,6 +494,20 @@ static int scan_event(Reader *r, Scan *s) {
                 group = (int64_t)u;
             } else
                 return 0;
+        } else if (f == F_PARENT) {
+            uint64_t u;
+            if (read_nil(r))
+                root = 1;
+            else if (read_uint(r, &u))
+                root = 0;
+            else
+                return 0;
+        } else if (f == F_BLOCK_SIZE) { /* int, not optional */
+            uint64_t u;
+            int neg;
+            if (!read_int(r, &u, &neg))
+                return 0;
+            block_size = !neg && u <= UINT32_MAX ? (uint32_t)u : 0;
         } else if (f == F_OTHER) {
             if (!skip(r, 2, 0))
                 return 0;
@@ -528,6 +543,8 @@ static int scan_event(Reader *r, Scan *s) {
     KvPackedEvent *ev = &s->events[s->n_events++];
     ev->kind = (uint8_t)kind;
     ev->group_none = (uint8_t)group_none;
+    ev->root = kind == KV_STORED && root;
+    ev->block_size = kind == KV_STORED ? block_size : 0;
     ev->group = group;
     ev->first = s->n_hashes;
     ev->n_hashes = 0;
@@ -677,8 +694,10 @@ static PyObject *EncodedEvents_packed(KvEncodedEvents *e, PyObject *unused) {
             PyList_SET_ITEM(hashes, j, h);
         }
         PyObject *medium = ev->kind == KV_CLEARED ? Py_None : PyTuple_GET_ITEM(e->media, ev->medium);
-        PyObject *item = ev->group_none ? Py_BuildValue("(sOON)", names[ev->kind], medium, Py_None, hashes)
-                                        : Py_BuildValue("(sOLN)", names[ev->kind], medium, (long long)ev->group, hashes);
+        PyObject *group = ev->group_none ? Py_NewRef(Py_None) : PyLong_FromLongLong(ev->group);
+        PyObject *item = group ? Py_BuildValue("(sONNOk)", names[ev->kind], medium, group, hashes,
+                                               ev->root ? Py_True : Py_False, (unsigned long)ev->block_size)
+                               : NULL;
         if (!item) {
             Py_DECREF(out);
             return NULL;
@@ -690,7 +709,8 @@ static PyObject *EncodedEvents_packed(KvEncodedEvents *e, PyObject *unused) {
 
 static PyMethodDef EncodedEvents_methods[] = {
     {"packed", (PyCFunction)EncodedEvents_packed, METH_NOARGS,
-     "packed() -> list of (type, medium, group_idx, block_hashes): the events as the index reads them"},
+     "packed() -> list of (type, medium, group_idx, block_hashes, root, block_size): the events as the index\n"
+     "reads them (root: a BlockStored without a parent)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,6 +20,8 @@ typedef struct {
     uint32_t n_hashes;
     int64_t group;      /* group_idx when not group_none */
     Py_ssize_t first;   /* index of the first hash in `hashes` */
+    uint32_t block_size; /* a BlockStored's block_size when in [0, 2^32), else 0 */
+    uint8_t root;       /* a BlockStored with no parent_block_hash (absent or nil) */
 } KvPackedEvent;
 
 typedef struct {

@@ -284,6 +284,9 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     window_group: bool = False  # ``group`` is a sliding-window group (not full attention)
     window_limit: bool = False
     unmodelled: str | None = None
+    # The block the claim needed was announced only by a store that may be a re-announcement
+    # (vLLM's `kv_cache_report_mode: "full"`; ATTRIBUTION.md rule 7): never stored is not proven.
+    re_announced: bool = False
 
 
 class DivergenceKind(str, enum.Enum):
@@ -322,6 +325,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     gap_from_seq: int | None = None
     gap_to_seq: int | None = None
     divergence: Divergence | None = None
+    kv_cache_group: int | None = None  # hybrid models: the group the facts were read in
 
 
 class AttributionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -85,6 +85,8 @@ WINDOW_START = "kvmiss.window_start"
 WINDOW_SECONDS = "kvmiss.window_seconds"
 DIVERGENCE_KIND = "kvmiss.divergence_kind"
 DIVERGENCE_TOKEN = "kvmiss.divergence_token"
+# Hybrid models: the KV-cache group the facts were read in (the one that limited the hit).
+KV_CACHE_GROUP = "kvmiss.kv_cache_group"
 # What-if estimates on `evicted` misses (enricher/estimates/whatif.py): never part of the label.
 WHATIF_SCALE = "kvmiss.whatif.scale"
 WHATIF_REUSE_DISTANCE = "kvmiss.whatif.reuse_distance_blocks"
@@ -93,5 +95,5 @@ OUTPUTS = (
     LABEL, OWNER, REASON, HISTORY, FIRST_MISS_BLOCK, FIRST_MISS_DIGEST, EXTRA_KEY_KINDS,
     MISSED_TOKENS, EVICTION_AGE_MS, HOLDERS, EPOCH, STORED_SEQ, REMOVED_SEQ, GAP_FROM_SEQ,
     GAP_TO_SEQ, WINDOW_START, WINDOW_SECONDS, DIVERGENCE_KIND, DIVERGENCE_TOKEN,
-    WHATIF_SCALE, WHATIF_REUSE_DISTANCE,
+    WHATIF_SCALE, WHATIF_REUSE_DISTANCE, KV_CACHE_GROUP,
 )

@@ -100,6 +100,7 @@ typedef struct {
     size_t ring_head, ring_len, ring_cap;
     Run *runs;                                 /* their engine ts, run-length encoded */
     size_t run_head, run_len, run_cap;
+    unsigned int block_size;                   /* the KV-cache group's block size (0: not known) */
 } BlockTable;
 
 /* --- interval words ----------------------------------------------------------------------- */
@@ -466,6 +467,28 @@ static inline int remove_key(BlockTable *t, uint64_t key, uint64_t seq, double t
         }
     }
     return ring_push(t, ts, key) < 0 ? -1 : 1;
+}
+
+/* Whether `key` has a live copy in `t`. */
+static inline int resident_key(const BlockTable *t, uint64_t key) {
+    int found;
+    size_t i = probe(t, key, &found);
+    if (!found)
+        return 0;
+    uint64_t w = t->slots[i].word;
+    if (is_link(w))
+        w = t->arena_iv[iv_stored(w) - 1];
+    return !iv_closed(w);
+}
+
+/* A BlockStored the Applier leaves to Python (EpochView._apply_event): one with no parent
+ * whose last block is already resident -- vLLM's `kv_cache_report_mode: "full"` re-announces
+ * a reused chain that way, and on the wire it is a recomputed duplicate too -- and a store of
+ * fewer tokens than its group's blocks (a partial-block store). */
+static inline int leave_store(const BlockTable *t, int root, unsigned long block_size, uint64_t last, int any) {
+    if (block_size && t->block_size && block_size < t->block_size)
+        return 1;
+    return root && any && resident_key(t, last);
 }
 
 /* One BlockStored: `*same_step` collects hashes that already had a live copy stored in the
@@ -874,6 +897,13 @@ static PyMethodDef BlockTable_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef BlockTable_members[] = {
+    {"block_size", T_UINT, offsetof(BlockTable, block_size), 0,
+     "the KV-cache group's block size, set by the index when it learns it (0: not known): the Applier\n"
+     "leaves a store of fewer tokens (a partial-block store) to Python"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyGetSetDef BlockTable_getset[] = {
     {"nbytes", (getter)BlockTable_nbytes, NULL, "bytes held (slots, older intervals, retention queue)", NULL},
     {"older", (getter)BlockTable_older, NULL, "older intervals chained behind current ones", NULL},
@@ -896,6 +926,7 @@ static PyTypeObject BlockTableType = {
     .tp_new = BlockTable_new,
     .tp_dealloc = (destructor)BlockTable_dealloc,
     .tp_methods = BlockTable_methods,
+    .tp_members = BlockTable_members,
     .tp_getset = BlockTable_getset,
     .tp_as_sequence = &BlockTable_as_sequence,
 };
@@ -913,7 +944,7 @@ static PyTypeObject BlockTableType = {
 /* Where a field of an event type lives: msgspec Structs keep fields in slots, so a member
  * descriptor's offset reads them without a getattr (-1: use getattr). */
 typedef struct {
-    Py_ssize_t block_hashes, medium, group_idx;
+    Py_ssize_t block_hashes, medium, group_idx, parent, block_size;
 } FieldOffsets;
 
 typedef struct {
@@ -928,7 +959,7 @@ typedef struct {
     unsigned long long gpu_removed; /* hashes removed from GPU group-0 tables so far (evictions) */
 } Applier;
 
-static PyObject *str_block_hashes, *str_medium, *str_group_idx;
+static PyObject *str_block_hashes, *str_medium, *str_group_idx, *str_parent, *str_block_size;
 
 static Py_ssize_t slot_offset(PyObject *type, PyObject *name) {
     PyObject *d = PyObject_GetAttr(type, name);
@@ -950,6 +981,8 @@ static void find_offsets(PyObject *type, FieldOffsets *at) {
     at->block_hashes = slot_offset(type, str_block_hashes);
     at->medium = slot_offset(type, str_medium);
     at->group_idx = slot_offset(type, str_group_idx);
+    at->parent = slot_offset(type, str_parent);
+    at->block_size = slot_offset(type, str_block_size);
 }
 
 /* A field of `obj` as a new reference: straight from its slot when the offset is known. */
@@ -1124,6 +1157,9 @@ static PyObject *apply_encoded(Applier *a, KvEncodedEvents *e, PyObject *seq_obj
                 return NULL;
         }
         const uint64_t *keys = e->hashes + ev->first;
+        if (ev->kind == KV_STORED
+            && leave_store(t, ev->root, ev->block_size, ev->n_hashes ? keys[ev->n_hashes - 1] : 0, ev->n_hashes > 0))
+            break;
         if (ev->kind == KV_STORED) {
             if (gpu_group0 && a->note != Py_None) {
                 PyObject *event = PySequence_GetItem((PyObject *)e, k);
@@ -1154,6 +1190,39 @@ static PyObject *apply_encoded(Applier *a, KvEncodedEvents *e, PyObject *seq_obj
         }
     }
     return PyLong_FromSsize_t(k);
+}
+
+/* `leave_store` for an event Struct: 1 leave it, 0 apply it, -1 with an exception set. */
+static int stored_left_to_python(Applier *a, PyObject *event, const BlockTable *t, PyObject *hashes) {
+    PyObject *parent = field(event, a->stored_at.parent, str_parent);
+    PyObject *size = parent ? field(event, a->stored_at.block_size, str_block_size) : NULL;
+    if (!size) {
+        Py_XDECREF(parent);
+        return -1;
+    }
+    int root = parent == Py_None;
+    Py_DECREF(parent);
+    unsigned long block_size = 0;
+    if (PyLong_CheckExact(size)) {
+        block_size = PyLong_AsUnsignedLong(size);
+        if (block_size == (unsigned long)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative or too large: not a size to compare */
+            block_size = 0;
+        }
+        if (block_size > UINT32_MAX)
+            block_size = 0;
+    }
+    Py_DECREF(size);
+    uint64_t last = 0;
+    int any = 0;
+    if (root && PyList_CheckExact(hashes) && PyList_GET_SIZE(hashes) > 0) {
+        if (key_of(PyList_GET_ITEM(hashes, PyList_GET_SIZE(hashes) - 1), &last) < 0) {
+            PyErr_Clear(); /* reported when the block is applied */
+            return 0;
+        }
+        any = 1;
+    }
+    return leave_store(t, root, block_size, last, any);
 }
 
 static PyObject *Applier_call(Applier *a, PyObject *args, PyObject *kwds) {
@@ -1208,6 +1277,17 @@ static PyObject *Applier_call(Applier *a, PyObject *args, PyObject *kwds) {
         PyObject *hashes = field(event, at->block_hashes, str_block_hashes);
         if (!hashes)
             goto fail;
+        if (storing) {
+            int leave = stored_left_to_python(a, event, t, hashes);
+            if (leave < 0) {
+                Py_DECREF(hashes);
+                goto fail;
+            }
+            if (leave) {
+                Py_DECREF(hashes);
+                break;
+            }
+        }
         int failed;
         if (storing) {
             if (gpu_group0 && a->note != Py_None) {
@@ -1451,7 +1531,9 @@ PyMODINIT_FUNC PyInit__blocktable(void) {
     str_block_hashes = PyUnicode_InternFromString("block_hashes");
     str_medium = PyUnicode_InternFromString("medium");
     str_group_idx = PyUnicode_InternFromString("group_idx");
-    if (!str_block_hashes || !str_medium || !str_group_idx)
+    str_parent = PyUnicode_InternFromString("parent_block_hash");
+    str_block_size = PyUnicode_InternFromString("block_size");
+    if (!str_block_hashes || !str_medium || !str_group_idx || !str_parent || !str_block_size)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)

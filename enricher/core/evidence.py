@@ -112,6 +112,11 @@ def _held_on(view: EpochView, key: int, medium: str, step_seq: int, run: Run) ->
     began leaves the hole in between: neither is provable.
     """
     node = view.interval_as_of(key, medium, step_seq)
+    if view.unproven and view.unproven_before(view.primary_group, key, step_seq, medium):
+        # a store not counted as a copy may have left one: resident stays provable (the
+        # count is a lower bound), absence does not
+        if node is None or (node.removed_seq is not None and node.removed_seq <= step_seq):
+            return _Held(unresolved=History.GAP)
     if node is None:
         return _NOT_HELD
     removed = node.removed_seq
@@ -141,7 +146,8 @@ def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | Non
         return None, _Held(unresolved=History.QUARANTINED)
     unresolved = None
     for medium in (view.media if media is None else media):
-        if key not in view.media.get(medium, ()):
+        if key not in view.media.get(medium, ()) and not (
+                view.unproven and view.unproven_before(view.primary_group, key, step_seq, medium)):
             continue
         held = _held_on(view, key, medium, step_seq, run)
         if held.node is not None:
@@ -170,6 +176,8 @@ def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MAR
     for table in view.media.values():
         if key in table:
             return False
+    if view.unproven:
+        return False  # judged by `_worker_held`, which weighs stores not counted as copies
     # A dropped record closed before the horizon: it cannot have held the block at t >= it.
     if view.horizon_ts is None or t >= view.horizon_ts:
         return True
@@ -185,8 +193,8 @@ def _absence_window(view: EpochView | None, margin: float) -> tuple[float, float
     of it (`_clean_without`'s key-independent conditions): from the latest of its known-empty
     point, its current run's start, its first batch and its retention horizon, through where
     its history is proven. None when no t qualifies."""
-    if view is None or not view.epoch_certain or not view.runs:
-        return None
+    if view is None or not view.epoch_certain or not view.runs or view.unproven:
+        return None  # (stores not counted as copies: judged one by one, `_worker_held`)
     since, through = view.known_empty_since, view.reached_through(margin)
     if since is None or through is None:
         return None
@@ -466,6 +474,8 @@ def gather(
         )
     if view.same_step_copies.get(key) == step_seq:
         return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
+    if view.unproven and view.unproven_before(view.primary_group, key, step_seq):
+        return Evidence(history=History.CONTINUOUS, re_announced=True, **base)
     if key in view.pruned:
         if not aged_out_as_recent_match:
             return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)

@@ -50,6 +50,7 @@ class Fate(enum.Enum):
     HELD = "held"
     REMOVED = "removed"  # stored in this run, removed before t
     NEVER = "never"  # no record since a known-empty point
+    UNPROVEN = "unproven"  # no counted record, but a store that may be a re-announcement
     UNPLACED = "unplaced"  # history cannot say
 
 
@@ -74,6 +75,9 @@ def fates(view: EpochView, group: int, keys: list[int], step_seq: int, run: Run)
         if node is None:
             if key in view.pruned:
                 out.append(BlockAt(Fate.UNPLACED, history=History.AGED_OUT))
+                continue
+            if view.unproven and view.unproven_before(group, key, step_seq):
+                out.append(BlockAt(Fate.UNPROVEN))
                 continue
             if known_empty is None:
                 known_empty = run.start is RunStart.EPOCH_START or view.last_clear_between(
@@ -132,6 +136,9 @@ def limiting_group_evidence(view: EpochView, facts: RequestFacts, step_seq: int,
                 if history is History.AGED_OUT:
                     extra = {"window_start_ts": view.horizon_ts}
                 return Evidence(history=history, group=idx, window_group=True, **extra, **base)
+    for idx, found in failing:
+        if any(at.fate is Fate.UNPROVEN for at in found):
+            return Evidence(history=History.CONTINUOUS, group=idx, window_group=True, re_announced=True, **base)
     for idx, found in failing:
         for at in found:
             if at.fate is Fate.REMOVED:

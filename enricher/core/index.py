@@ -260,7 +260,8 @@ class EpochView:
     """Residency of one worker during one process lifetime."""
 
     def __init__(self, worker: str, epoch: int, instance: str | None, *,
-                 divergence_detail: bool = False, aged_out_horizon_s: float = float("inf")):
+                 divergence_detail: bool = False, aged_out_horizon_s: float = float("inf"),
+                 counts: collections.Counter | None = None):
         self.worker = worker
         self.epoch = epoch
         self.instance = instance
@@ -284,6 +285,15 @@ class EpochView:
         self.media: dict[str, BlockTable] = {}
         self.groups: dict[int, KVCacheGroup] = {}
         self.primary_group = 0
+        self.hybrid = False  # see `_judge_hybrid`
+        # Stores not counted as copies (ATTRIBUTION.md rule 7): a BlockStored with no parent
+        # whose last block was already resident is vLLM's `kv_cache_report_mode: "full"`
+        # re-announcement of a reused chain -- or a recomputed duplicate, which looks the
+        # same. Tier -> hash -> the first such store's seq. Counts stay a lower bound (a
+        # resident claim stands); an absence claim after one is not proven. Pruned with the log.
+        self.unproven: dict[Tier, dict[int, int]] = {}
+        # Per-worker event facts for the metrics (the index's `anomalies`, shared by its views).
+        self.counts: collections.Counter = counts if counts is not None else collections.Counter()
         self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
         self.pruned = PrunedFilter(aged_out_horizon_s)
         self.horizon_ts: float | None = None  # records before this engine time may be gone
@@ -347,6 +357,19 @@ class EpochView:
             found = self._table(event)
         gpu_group0, table = found
         if cls is BlockStored:
+            hashes = event.block_hashes
+            if event.parent_block_hash is None and hashes and table.copies(hashes[-1]):
+                self._unproven_store(event, seq, table if gpu_group0 else None)
+                return
+            size = event.block_size
+            if 0 < size < table.block_size and size < 1 << 32:
+                # A partial-block store (fine-grained hash units). One of a hash this table
+                # saw removed is vLLM #49125's shape: a stale partial hash re-registered
+                # after its block was promoted. The engine serves it again, so it is applied
+                # as a new store: never a revival of the interval its removal closed.
+                stale = sum(1 for h in hashes if h in table and not table.copies(h))
+                if stale:
+                    self.counts[("stale_partial_stores", self.worker)] += stale
             if gpu_group0 and self.siblings is not None:
                 self.siblings.note(event, seq)
             copies = table.store(event.block_hashes, seq)
@@ -362,6 +385,28 @@ class EpochView:
         """Whether batch ``seq`` fits this view's residency tables (see `SEQ_SPAN`)."""
         return self.first_ts is None or 0 <= seq - self.first_seq < SEQ_SPAN
 
+    def _unproven_store(self, event: BlockStored, seq: int, primary: BlockTable | None) -> None:
+        """A possible re-announcement (see ``unproven``): nothing is stored, every block of
+        it is marked, and it is counted. On the primary GPU table a block stored earlier in
+        the same step is a same-step copy all the same (a request that skips the cache)."""
+        tier = Tier(canonical_medium(event.medium), event.group_idx or 0)
+        marks = self.unproven.setdefault(tier, {})
+        for h in event.block_hashes:
+            marks.setdefault(h, seq)
+            if primary is not None:
+                found = primary.as_of(h, seq + 1)
+                if found is not None and found[0] == seq and found[1] is None:
+                    self.same_step_copies[h] = seq
+        self.counts[("re_announced_stores", self.worker)] += 1
+        self.counts[("re_announced_blocks", self.worker)] += len(event.block_hashes)
+
+    def unproven_before(self, group: int, key: int, seq: int, medium: str = GPU) -> bool:
+        """Whether a store of ``key`` not counted as a copy (see ``unproven``) came before
+        batch ``seq`` on ``medium`` of ``group``."""
+        marks = self.unproven.get(Tier(medium, group))
+        first = marks.get(key) if marks else None
+        return first is not None and first < seq
+
     def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable]:
         """The (primary GPU table?, table) of the event's (medium, group), made on its first
         event. The group's spec is learned here from its first store (`_learn`); until then
@@ -375,6 +420,9 @@ class EpochView:
             table = self.tiers[tier] = BlockTable(self.first_seq)
             if group == self.primary_group:
                 self.media[tier.medium] = table
+            known = self.groups.get(group)
+            if known is not None and known.block_size > 0:
+                table.block_size = known.block_size
         settled = raw_group is None or group in self.groups
         if event.__class__ is BlockStored and not settled:
             self._learn(event, group)
@@ -382,6 +430,7 @@ class EpochView:
         found = (tier.medium == GPU and group == self.primary_group, table)
         if settled:
             self._tables[(raw_medium, raw_group)] = found
+        self._judge_hybrid()
         return found
 
     def _learn(self, event: BlockStored, group: int) -> None:
@@ -389,6 +438,10 @@ class EpochView:
         primary one (and its tables ``media``)."""
         self.groups[group] = KVCacheGroup(group, event.kv_cache_spec_kind,
                                           event.kv_cache_spec_sliding_window, event.block_size)
+        if 0 < event.block_size < 1 << 32:
+            for tier, table in self.tiers.items():
+                if tier.group == group:
+                    table.block_size = event.block_size
         primary = self.groups.get(self.primary_group)
         if group != self.primary_group and self.groups[group].full_attention and (
                 primary is None or not primary.full_attention):
@@ -398,17 +451,18 @@ class EpochView:
                 medium, raw_group = key
                 self._tables[key] = (canonical_medium(medium) == GPU and (raw_group or 0) == group, table)
 
-    @property
-    def hybrid(self) -> bool:
-        """Whether the events named more than one KV-cache group, or one that is not full
-        attention: prefix hits then follow `HybridKVCacheCoordinator`'s rule, not one run."""
+    def _judge_hybrid(self) -> None:
+        """``hybrid``: the events named more than one KV-cache group, or one that is not full
+        attention -- prefix hits then follow `HybridKVCacheCoordinator`'s rule, not one run.
+        Kept as an attribute (read per request), updated when a table or a group appears."""
         groups = self.groups
         if not groups:
-            return False
-        if len(groups) > 1 or any(tier.group != self.primary_group for tier in self.tiers):
-            return True
-        only = next(iter(groups.values()))
-        return only.kind is not None and not only.full_attention
+            self.hybrid = False
+        elif len(groups) > 1 or any(tier.group != self.primary_group for tier in self.tiers):
+            self.hybrid = True
+        else:
+            only = next(iter(groups.values()))
+            self.hybrid = only.kind is not None and not only.full_attention
 
     def all_tables(self) -> Iterator[BlockTable]:
         yield from self.tiers.values()
@@ -449,6 +503,13 @@ class EpochView:
         copies = self.same_step_copies  # in place: the compiled applier holds this dict
         for key in [k for k, q in copies.items() if horizon_seq is None or q < horizon_seq]:
             del copies[key]
+        for tier, marks in list(self.unproven.items()):
+            old = [h for h, q in marks.items() if horizon_seq is None or q < horizon_seq]
+            for h in old:
+                del marks[h]
+            self.pruned.add_many(old, before_ts)  # an absence claim that would need one answers aged out
+            if not marks:
+                del self.unproven[tier]  # (an empty dict would keep the view off the fast path)
         dropped = 0
         for table in self.all_tables():
             if limit == 0:
@@ -620,6 +681,9 @@ class ResidencyIndex:
         self.stale_batches = 0  # refused: under an epoch below `epoch_floor`, or of a released worker
         self.prune_pending = False  # a limited `prune` stopped with more due
         self.aged_out_forgotten = 0  # aged-out blocks forgotten past the horizon, all views
+        # (name, worker) -> count, for the metrics: re_announced_stores / re_announced_blocks
+        # (`EpochView.unproven`), stale_partial_stores (vLLM #49125). Kept across epochs.
+        self.anomalies: collections.Counter = collections.Counter()
         # Bumped by every change (apply, confirm_tail, prune): what is derived from the whole
         # index for a judging round (evidence.FleetRound) holds while it stays the same.
         self.generation = 0
@@ -643,7 +707,7 @@ class ResidencyIndex:
                 older.appendleft(view)  # read-only from now on
             view = self.current[batch.worker] = EpochView(
                 batch.worker, batch.epoch, batch.instance, divergence_detail=self.divergence_detail,
-                aged_out_horizon_s=self.aged_out_horizon_s)
+                aged_out_horizon_s=self.aged_out_horizon_s, counts=self.anomalies)
             self.tracked.add(batch.worker)
         view.apply(batch)
 

@@ -40,6 +40,8 @@ class PyBlockTable:
 
     def __init__(self, base_seq: int = 0):
         self.base_seq = base_seq
+        # The KV-cache group's block size, set by the index when it learns it (0: not known).
+        self.block_size = 0
         # hash -> [live copies, [(stored, removed, by_clear), ...] newest first]
         self._records: dict[int, list] = {}
         self._closed: collections.deque[tuple[float, int]] = collections.deque()

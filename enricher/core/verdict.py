@@ -237,7 +237,10 @@ def attribute(
         return _verdict(Label.EVICTED, reason, **known)
     if evidence.presence is Presence.ABSENT:
         return _verdict(Label.NO_MATCH, _no_match_reason(facts, evidence), **known)
-    if evidence.same_step_copies:
+    if evidence.re_announced:
+        reason = ("the block this verdict needed was announced only by a store that may re-announce a "
+                  "reused chain (kv_cache_report_mode full), so whether it was ever resident is not proven")
+    elif evidence.same_step_copies:
         reason = ("two copies of the first missed block were stored in the engine step of the "
                   "lookup; whether one preceded it (a request skipping the cache) is not established")
     else:
@@ -276,6 +279,7 @@ def _evidence_facts(evidence: Evidence, lookup_time: float | None) -> dict[str, 
         "window_start_ts": evidence.window_start_ts,
         "gap_from_seq": evidence.gap_from_seq,
         "gap_to_seq": evidence.gap_to_seq,
+        "kv_cache_group": evidence.group,
     }
     # An eviction age is a claim, not a raw observation: only continuous history supports it,
     # and a removal stamped after the lookup (inconsistent clocks or input) has no age at t.

@@ -606,6 +606,8 @@ def verdict_attributes(verdict: Verdict, lookup_time: float | None = None) -> di
         out[names.EXTRA_KEY_KINDS] = list(verdict.extra_key_kinds)
     if verdict.window_start_ts is not None and lookup_time is not None:
         out[names.WINDOW_SECONDS] = round(lookup_time - verdict.window_start_ts, 3)
+    if verdict.kv_cache_group is not None:
+        out[names.KV_CACHE_GROUP] = verdict.kv_cache_group
     if verdict.divergence is not None:
         out[names.DIVERGENCE_KIND] = verdict.divergence.kind._value_
         if verdict.divergence.first_token_index is not None:

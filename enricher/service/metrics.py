@@ -57,6 +57,7 @@ class KvmissCollector(Collector):
         endpoint: Callable[[], Mapping[str, int]] = dict,
         index_feed: Callable[[], tuple[int, int]] = lambda: (0, 0),
         aged_out: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
+        index_anomalies: Callable[[], Mapping[tuple[str, str], int]] = dict,
         records: RequestRecords | None = None,
         fleet: tuple[FleetStats, Callable[[], Mapping[MemberState, int]]] | None = None,
         recently_departed: Callable[[], Container[str]] = frozenset,
@@ -71,6 +72,7 @@ class KvmissCollector(Collector):
         self.endpoint = endpoint  # the metrics listener's own counters (listener.HttpListener)
         self.index_feed = index_feed  # (batches applied to the index, batches waiting to be)
         self.aged_out = aged_out  # (blocks remembered, their bytes, blocks forgotten so far)
+        self.index_anomalies = index_anomalies  # ResidencyIndex.anomalies: (name, worker) -> count
         self.records = records  # the request-records file writer, when [export] request_records is set
         self.fleet = fleet  # membership counters, and the members by state (Service.member_states)
         # Workers that left the fleet within retention: still label values, so requests they
@@ -297,6 +299,24 @@ class KvmissCollector(Collector):
                                    "(no_match, kvmiss.window_start = horizon).")
         gone.add_metric([], forgotten)
         yield from (done, waiting, kept, size, gone)
+        families = {
+            "re_announced_stores": CounterMetricFamily(
+                "kvmiss_index_re_announced_stores", "BlockStored events with no parent whose last block was already "
+                "resident: vLLM's kv_cache_report_mode full re-announcing a reused chain, or a recomputed duplicate, "
+                "which looks the same on the wire. Never counted as copies; no residency claim rests on one.",
+                labels=["worker"]),
+            "re_announced_blocks": CounterMetricFamily(
+                "kvmiss_index_re_announced_blocks", "Blocks in those stores.", labels=["worker"]),
+            "stale_partial_stores": CounterMetricFamily(
+                "kvmiss_index_stale_partial_stores", "Partial-block stores of a hash removed earlier in the epoch "
+                "(vLLM #49125: a stale partial hash re-registered after its block's promotion): applied as new "
+                "stores, never as the removed interval going on.", labels=["worker"]),
+        }
+        for (name, worker), n in sorted(self.index_anomalies().items()):
+            family = families.get(name)
+            if family is not None:
+                family.add_metric([worker], n)
+        yield from families.values()
 
     def _spans(self) -> Iterator[Metric]:
         s = self.stats

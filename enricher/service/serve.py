@@ -186,6 +186,7 @@ class Service:
             exports=lambda: self.queues, clock_bounds=self.clock_bounds, records=self.request_records,
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
             endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed)),
+            index_anomalies=lambda: self.index.anomalies,
             fleet=(self.fleet_stats, self.member_states), recently_departed=lambda: self._departed,
             aged_out=lambda: (*self.index.aged_out_remembered(), self.index.aged_out_forgotten),
             dns_outcomes=None if dns is None else lambda: {o.value: n for o, n in dns.outcomes.items()},

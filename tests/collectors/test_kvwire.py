@@ -45,9 +45,12 @@ def agree(payload: bytes) -> bool:
     expect = []
     for e in ref.events:
         if isinstance(e, AllBlocksCleared):
-            expect.append(("AllBlocksCleared", None, None, []))
+            expect.append(("AllBlocksCleared", None, None, [], False, 0))
+        elif isinstance(e, BlockStored):
+            size = e.block_size if 0 <= e.block_size < 2**32 else 0
+            expect.append(("BlockStored", e.medium, e.group_idx, list(e.block_hashes), e.parent_block_hash is None, size))
         else:
-            expect.append((type(e).__name__, e.medium, e.group_idx, list(e.block_hashes)))
+            expect.append(("BlockRemoved", e.medium, e.group_idx, list(e.block_hashes), False, 0))
     assert events.packed() == expect
     return True
 

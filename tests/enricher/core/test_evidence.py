@@ -118,8 +118,9 @@ class TestLookupStepTiming:
 
 class TestCopiesAndTiers:
     def test_one_removal_of_two_copies_leaves_the_block_resident(self):
+        # (the second copy has its parent: a recompute, never a re-announcement, which has none)
         index, a = ResidencyIndex(), WorkerFeed("A")
-        feed(index, a.batches(range(0, 10), {1: [stored(H)], 2: [stored(H)], 3: [removed(H)]}))
+        feed(index, a.batches(range(0, 10), {1: [stored(H)], 2: [stored(H, parent=PARENT)], 3: [removed(H)]}))
         assert gather(index, request("A", a.ts(8))).presence is Presence.RESIDENT
 
     def test_tiers_count_copies_separately_from_the_gpu(self):
@@ -256,7 +257,7 @@ class TestWorkersAndEpochs:
 
 def test_two_copies_stored_in_one_batch_need_two_removals():
     index, a = ResidencyIndex(), WorkerFeed("A")
-    feed(index, a.batches(range(0, 10), {1: [stored(H), stored(H)], 3: [removed(H)]}))
+    feed(index, a.batches(range(0, 10), {1: [stored(H), stored(H, parent=PARENT)], 3: [removed(H)]}))
     assert gather(index, request("A", a.ts(8))).presence is Presence.RESIDENT
     feed(index, a.batches(range(10, 20), {12: [removed(H)]}))
     assert gather(index, request("A", a.ts(18))).presence is Presence.EVICTED

@@ -237,13 +237,15 @@ def test_the_index_gives_the_same_verdicts_on_the_reference_model():
     assert " passed" in done.stdout
 
 
-def _event(kind: str, hashes: list[int], medium: str | None, group: int | None, spec: str | None = None):
+def _event(kind: str, hashes: list[int], medium: str | None, group: int | None, spec: str | None = None,
+           parent: bool = False, block_size: int = 16):
     from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
     if kind == "clear":
         return AllBlocksCleared()
     if kind == "store":
-        return BlockStored(block_hashes=hashes, block_size=16, medium=medium, group_idx=group,
-                           kv_cache_spec_kind=spec, kv_cache_spec_sliding_window=64 if spec == "sliding_window" else None)
+        return BlockStored(block_hashes=hashes, block_size=block_size, medium=medium, group_idx=group,
+                           parent_block_hash=hashes[0] ^ 1 if parent else None, kv_cache_spec_kind=spec,
+                           kv_cache_spec_sliding_window=64 if spec == "sliding_window" else None)
     return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
 
 
@@ -254,7 +256,9 @@ def _event(kind: str, hashes: list[int], medium: str | None, group: int | None, 
     st.lists(st.sampled_from(SMALL_POOL), min_size=1, max_size=4),
     st.sampled_from([None, "GPU", "CPU", "cpu_pinned"]),
     st.sampled_from([None, 0, 1]),
-    st.sampled_from([None, "full_attention", "sliding_window"])), max_size=8), max_size=25))
+    st.sampled_from([None, "full_attention", "sliding_window"]),
+    st.booleans(),  # with a parent (else a root store: a possible re-announcement when resident)
+    st.sampled_from([16, 16, 8, 0])), max_size=8), max_size=25))  # 8: a partial-block store
 def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches):
     """EpochView's compiled applier (any mix of media, groups and mid-batch clears) against
     its own Python loop over the same tables -- fed the event Structs, and fed the packed
@@ -280,6 +284,7 @@ def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches)
         assert other.log_removed == slow.log_removed  # evictions counted alike (what-if sizing)
         assert set(other.media) == set(slow.media) and set(other.tiers) == set(slow.tiers)
         assert other.groups == slow.groups and other.primary_group == slow.primary_group
+        assert other.unproven == slow.unproven and other.counts == slow.counts
         for a, b in [(other.tiers[k], slow.tiers[k]) for k in other.tiers]:
             assert len(a) == len(b) and a.retained == b.retained
             for h in SMALL_POOL:

@@ -170,12 +170,12 @@ def test_case_hybrid_a_shared_prefix_the_window_group_never_kept_is_window_limit
     assert index.views("A")[0].primary_group == FULL  # learned from the stores' kinds
 
     v = judge(index, chain_request("A", a.ts(10) - 0.5, q, prompt_tokens=130, cached_tokens=0))
-    assert v.label is Label.WINDOW_LIMIT and v.owner.value == "none"
+    assert v.label is Label.WINDOW_LIMIT and v.owner.value == "none" and v.kv_cache_group == WINDOW
     assert v.first_miss_block == 0 and v.missed_tokens == 128
     assert "sliding-window" in v.reason
 
     v = judge(index, chain_request("A", a.ts(30) - 0.5, p, prompt_tokens=200, cached_tokens=0))
-    assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 20)
+    assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 20) and v.kv_cache_group == FULL
 
 
 def test_case_hybrid_the_same_prompt_with_its_window_evicted_from_the_window_group_is_evicted():
@@ -189,3 +189,18 @@ def test_case_hybrid_the_same_prompt_with_its_window_evicted_from_the_window_gro
     v = judge(index, chain_request("A", a.ts(12) - 0.5, p, prompt_tokens=200, cached_tokens=0))
     assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 8)
     assert "window group needed" in v.reason and "group 0" in v.reason
+
+
+def test_case_full_report_mode_a_re_announcement_is_no_copy_so_one_removal_makes_it_evicted():
+    """A request with `kv_cache_report_mode: "full"` hit 3 blocks: its step carries a
+    BlockStored of those 3 hashes with no parent. A later single BlockRemoved of one of them
+    makes it absent: a miss on it is evicted, not resident_miss (ATTRIBUTION.md rule 7)."""
+    chain = [H - 1, H, H + 1]
+    index, a = ResidencyIndex(), WorkerFeed("A", epoch=7)
+    events = {3: [stored(*chain)], 10: [stored(*chain)], 15: [removed(H)]}
+    for b in a.batches(range(0, 30), events):
+        index.apply(b)
+    v = judge(index, request("A", a.ts(20) - 0.5))
+    assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 15)
+    assert index.anomalies[("re_announced_stores", "A")] == 1
+    assert index.anomalies[("re_announced_blocks", "A")] == 3

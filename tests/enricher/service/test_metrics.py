@@ -66,3 +66,21 @@ def test_a_worker_that_left_within_retention_stays_a_label_value_others_are_untr
 
     assert workers(frozenset) == {"untracked"}  # A is no member: folded
     assert workers(lambda: {"A": 12.0}) == {"A"}  # A departed within retention: its own series
+
+
+def test_re_announcements_and_stale_partial_stores_are_counted_per_worker():
+    from fleet_builders import WorkerFeed, group_stored, removed, stored
+
+    from kvmiss.enricher.core.index import ResidencyIndex
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    for b in a.batches(range(0, 10), {1: [stored(H - 1, H)], 2: [stored(H - 1, H)],  # reported in full
+                                      3: [group_stored(0, H + 1, parent=H, block_size=16)],
+                                      4: [removed(H + 1)], 5: [group_stored(0, H + 1, parent=H, block_size=8)]}):
+        index.apply(b)
+    registry = CollectorRegistry()
+    registry.register(KvmissCollector(Pipeline(Attributor(index), Sink(), clock=Clock()).stats, dict,
+                                      index_anomalies=lambda: index.anomalies))
+    sample = registry.get_sample_value
+    assert sample("kvmiss_index_re_announced_stores_total", {"worker": "A"}) == 1
+    assert sample("kvmiss_index_re_announced_blocks_total", {"worker": "A"}) == 2
+    assert sample("kvmiss_index_stale_partial_stores_total", {"worker": "A"}) == 1

@@ -1,0 +1,137 @@
+"""Counts come from what the engine did, not from what it said twice (ATTRIBUTION.md rule 7),
+and vLLM #49125's stale partial stores.
+
+vLLM's per-request `kv_cache_report_mode: "full"` re-announces a reused chain as a BlockStored
+with no parent from block 0 (`BlockPool.emit_cached_block_events`); an exact one-block prompt
+that recomputes block 0 stores it again with no parent too. On the wire the two are the same,
+so such a store (no parent, its last block already resident) is never counted as a copy:
+a resident claim rests on the counted copies (a lower bound), and an absence claim after it
+is not made."""
+
+from __future__ import annotations
+
+from fleet_builders import (FULL, WINDOW, H, WorkerFeed, chain_request, full_stored, group_removed, group_stored,
+                            removed, request, stored, window_stored)
+
+from kvmiss.enricher.core.attribution import Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.schemas.attribution import Label
+
+
+def judge(index, facts):
+    return Attributor(index).attribute(facts)
+
+
+def feed(index: ResidencyIndex, a: WorkerFeed, events: dict, seqs=range(0, 30)) -> None:
+    for b in a.batches(seqs, events):
+        index.apply(b)
+
+
+def test_a_re_announced_chain_never_makes_a_removed_block_look_resident():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 7: [stored(H - 1, H)], 15: [removed(H)]})
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.EVICTED
+    assert index.anomalies[("re_announced_stores", "A")] == 2
+
+
+def test_while_the_counted_copy_stands_the_block_is_still_proven_resident():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)]})
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.RESIDENT_MISS
+
+
+def test_an_exact_one_block_prompts_recompute_looks_the_same_and_is_not_counted_either():
+    """Block 0 stored, then stored again with no parent (the lookup limit's recompute): after one
+    removal the second copy may or may not remain; resident is not claimed, the removal stands."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H)], 4: [stored(H)], 9: [removed(H)]})
+    v = judge(index, request("A", a.ts(12) - 0.5, cached_blocks=0, first_miss=H))
+    assert v.label is Label.EVICTED and v.removed_seq == 9
+
+
+def test_a_store_with_a_parent_is_a_real_copy_and_counted():
+    """The lookup-limit recompute of a two-block prompt stores block 1 again with its parent."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H)], 4: [stored(H, parent=H - 1)], 9: [removed(H)]})
+    assert judge(index, request("A", a.ts(12) - 0.5)).label is Label.RESIDENT_MISS
+    assert index.anomalies[("re_announced_stores", "A")] == 0
+
+
+def test_another_worker_whose_only_removal_may_have_left_an_uncounted_copy_is_not_ruled_out():
+    index, a, b = ResidencyIndex(), WorkerFeed("A"), WorkerFeed("B")
+    feed(index, a, {})
+    feed(index, b, {3: [stored(H - 1, H)], 5: [stored(H - 1, H)], 8: [removed(H)]})
+    v = judge(index, request("A", a.ts(20) - 0.5))
+    assert v.label is Label.UNKNOWN_HISTORY, v  # not no_match: B may still hold H
+
+
+def test_without_the_re_announcement_that_worker_is_ruled_out():
+    index, a, b = ResidencyIndex(), WorkerFeed("A"), WorkerFeed("B")
+    feed(index, a, {})
+    feed(index, b, {3: [stored(H - 1, H)], 8: [removed(H)]})
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.NO_MATCH
+
+
+def test_a_window_groups_re_announcement_names_blocks_it_never_stored_so_never_stored_is_not_proven():
+    """In a sliding-window group the re-announced chain runs from block 0 although the group
+    kept only P's last window: those blocks are not stored, and window_limit is not claimed
+    over them (unknown_history, never a guess)."""
+    p = [0xA000 + i for i in range(6)]
+    q = p[:2] + [0xB000, 0xB001]
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [window_stored(p[4], p[5]), full_stored(*p)],
+                    6: [window_stored(*p), full_stored(*p)]})  # P again, reported in full
+    assert p[0] not in index.views("A")[0].tiers[("GPU", WINDOW)]
+    v = judge(index, chain_request("A", a.ts(10) - 0.5, q, prompt_tokens=130, cached_tokens=0))
+    assert v.label is Label.UNKNOWN_HISTORY and "re-announce" in v.reason
+
+
+def test_vllm_49125_a_stale_partial_store_after_its_removal_is_a_new_store_and_counted():
+    """vLLM #49125: a partial-block hash removed when its block was promoted to a full one is
+    stored again. The engine serves it again from then on (its lookup finds it), so it is a new
+    store -- it never revives the interval the removal closed: a miss in between is evicted --
+    and it is counted (`stale_partial_stores`)."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    partial = H
+    feed(index, a, {
+        3: [group_stored(0, H - 1, block_size=32)],  # the group's blocks are 32 tokens
+        4: [group_stored(0, partial, parent=H - 1, block_size=16)],  # a 16-token partial entry
+        6: [removed(partial), group_stored(0, H + 5, parent=H - 1, block_size=32)],  # promotion
+        12: [group_stored(0, partial, parent=H - 1, block_size=16)],  # the stale partial, again
+    })
+    assert index.anomalies[("stale_partial_stores", "A")] == 1
+    view = index.views("A")[0]
+    assert view.media["GPU"].chain(partial)[0][:2] == (12, None)  # a new interval from 12
+    between = judge(index, request("A", a.ts(9) - 0.5, block_size=16))
+    after = judge(index, request("A", a.ts(20) - 0.5, block_size=16))
+    assert between.label is Label.EVICTED and between.removed_seq == 6
+    assert after.label is Label.RESIDENT_MISS and after.stored_seq == 12
+
+
+def test_a_partial_store_of_a_new_hash_is_not_counted_as_stale():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [group_stored(0, H - 1, block_size=32)],
+                    4: [group_stored(0, H, parent=H - 1, block_size=16)]})
+    assert index.anomalies[("stale_partial_stores", "A")] == 0
+
+
+def test_in_a_hybrid_each_groups_re_announcement_is_no_copy_of_its_own():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    chain = [H - 1, H, H + 1]
+    feed(index, a, {3: [window_stored(H, H + 1), full_stored(*chain)],
+                    5: [window_stored(*chain), full_stored(*chain)],  # reported in full, both groups
+                    9: group_removed(FULL, H)})
+    assert index.anomalies[("re_announced_stores", "A")] == 2
+    view = index.views("A")[0]
+    assert view.media["GPU"].copies(H - 1) == 1 and view.tiers[("GPU", WINDOW)].copies(H) == 1
+    v = judge(index, chain_request("A", a.ts(12) - 0.5, chain + [H + 2], prompt_tokens=130, cached_tokens=32))
+    assert v.label is Label.EVICTED and v.removed_seq == 9  # read in the full-attention group
+
+
+def test_marks_leave_with_retention_into_the_aged_out_filter():
+    index, a = ResidencyIndex(retention_s=5.0), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H)], 5: [stored(H - 1, H)]})
+    view = index.views("A")[0]
+    assert view.unproven and view.unproven_before(0, H, 6) and not view.unproven_before(0, H, 5)
+    index.prune(a.ts(29))  # horizon at seq 24: the marks of seq 5 go
+    assert view.unproven == {} and H in view.pruned
