@@ -55,6 +55,7 @@ class Attributor:
         return fleet
 
     def attribute(self, facts: RequestFacts) -> Verdict:
+        self._confirm_re_announcement(facts)
         # Gathered for a failed transfer too: the facts beyond the label are reported.
         needs_evidence = missed_reusable(facts.prompt_tokens, facts.cached_tokens, facts.block_size)
         evidence = (
@@ -69,6 +70,18 @@ class Attributor:
             if divergence is not None:
                 verdict = msgspec.structs.replace(verdict, divergence=divergence)
         return verdict
+
+    def _confirm_re_announcement(self, facts: RequestFacts) -> None:
+        """A request that hit blocks tells its own step's store with no parent of them apart
+        from a recomputed duplicate: it was the full report mode's re-announcement (ATTRIBUTION.md
+        rule 7; `ResidencyIndex.confirm_re_announcement`). Only the index's marks change."""
+        b, chain, t, worker = facts.block_size, facts.block_hashes, facts.lookup_time, facts.worker
+        if b <= 0 or facts.cached_tokens < b or not chain or t is None or worker is None:
+            return
+        view = self.index.current.get(worker)
+        if (view is None or not view.unproven) and not self.index.previous.get(worker):
+            return
+        self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]))
 
     def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:
         """Which sibling under the request's parent block it left, and how (None when the

@@ -461,6 +461,9 @@ def gather(
         if node.stored_seq is None or node.stored_seq < run.start_seq:
             return Evidence(history=History.GAP, **gap, **base)  # store predates the run
         removed = node.removed_seq is not None and node.removed_seq <= step_seq
+        if removed and view.unproven and view.unproven_before(view.primary_group, key, step_seq):
+            # a store not counted as a copy (rule 7) may have outlived this removal
+            return Evidence(history=History.CONTINUOUS, re_announced=True, **base)
         if removed and view.same_step_copies.get(key) == step_seq:
             return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
         return Evidence(

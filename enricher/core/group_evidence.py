@@ -50,7 +50,7 @@ class Fate(enum.Enum):
     HELD = "held"
     REMOVED = "removed"  # stored in this run, removed before t
     NEVER = "never"  # no record since a known-empty point
-    UNPROVEN = "unproven"  # no counted record, but a store that may be a re-announcement
+    UNPROVEN = "unproven"  # a store not counted as a copy (rule 7) leaves it open
     UNPLACED = "unplaced"  # history cannot say
 
 
@@ -86,7 +86,8 @@ def fates(view: EpochView, group: int, keys: list[int], step_seq: int, run: Run)
         elif node.stored_seq is None or node.stored_seq < run.start_seq:
             out.append(BlockAt(Fate.UNPLACED, node, History.GAP))  # the store predates the run
         elif node.removed_seq is not None and node.removed_seq <= step_seq:
-            out.append(BlockAt(Fate.REMOVED, node))
+            unproven = view.unproven and view.unproven_before(group, key, step_seq)
+            out.append(BlockAt(Fate.UNPROVEN) if unproven else BlockAt(Fate.REMOVED, node))
         else:
             out.append(BlockAt(Fate.HELD, node))
     return out
@@ -102,6 +103,9 @@ def limiting_group_evidence(view: EpochView, facts: RequestFacts, step_seq: int,
         kinds = sorted({kind_name(g) for g in view.groups.values()})
         return Evidence(history=History.CONTINUOUS, unmodelled=f"no full-attention group ({', '.join(kinds)})",
                         **base)
+    if primary.block_size not in (0, b):  # fine-grained hash units: H may sit inside a block
+        return Evidence(history=History.CONTINUOUS, group=primary.idx, unmodelled=(
+            f"groups of block size {primary.block_size} for requests hashed in blocks of {b}"), **base)
     first = facts.cached_tokens // b
     limit = min(lookup_limit_tokens(facts.prompt_tokens, b) // b, len(chain))
     run_end = first
@@ -119,7 +123,7 @@ def limiting_group_evidence(view: EpochView, facts: RequestFacts, step_seq: int,
         if need is None:
             return Evidence(history=History.CONTINUOUS, group=idx,
                             unmodelled=f"a {kind_name(group)} group", **base)
-        if group.block_size != b or primary.block_size not in (0, b):  # type: ignore[union-attr]
+        if group.block_size != b:  # type: ignore[union-attr]
             return Evidence(history=History.CONTINUOUS, group=idx, unmodelled=(
                 f"groups of block size {group.block_size} for requests hashed in blocks of {b}"), **base)  # type: ignore[union-attr]
         window = window_needed(run_end, need)

@@ -289,9 +289,13 @@ class EpochView:
         # Stores not counted as copies (ATTRIBUTION.md rule 7): a BlockStored with no parent
         # whose last block was already resident is vLLM's `kv_cache_report_mode: "full"`
         # re-announcement of a reused chain -- or a recomputed duplicate, which looks the
-        # same. Tier -> hash -> the first such store's seq. Counts stay a lower bound (a
-        # resident claim stands); an absence claim after one is not proven. Pruned with the log.
-        self.unproven: dict[Tier, dict[int, int]] = {}
+        # same. Tier -> hash -> the seqs of such stores, one entry each, ascending. Counts stay
+        # a lower bound (a resident claim stands); an absence claim after one is not proven --
+        # until the request it re-announced for confirms it (`confirm_re_announcement`).
+        # Pruned with the log.
+        self.unproven: dict[Tier, dict[int, list[int]]] = {}
+        # The same stores as events: seq -> [(tier, hashes)], for `confirm_re_announcement`.
+        self.unproven_stores: dict[int, list[tuple[Tier, tuple[int, ...]]]] = {}
         # Per-worker event facts for the metrics (the index's `anomalies`, shared by its views).
         self.counts: collections.Counter = counts if counts is not None else collections.Counter()
         self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
@@ -391,8 +395,9 @@ class EpochView:
         the same step is a same-step copy all the same (a request that skips the cache)."""
         tier = Tier(canonical_medium(event.medium), event.group_idx or 0)
         marks = self.unproven.setdefault(tier, {})
+        self.unproven_stores.setdefault(seq, []).append((tier, tuple(event.block_hashes)))
         for h in event.block_hashes:
-            marks.setdefault(h, seq)
+            marks.setdefault(h, []).append(seq)
             if primary is not None:
                 found = primary.as_of(h, seq + 1)
                 if found is not None and found[0] == seq and found[1] is None:
@@ -404,8 +409,40 @@ class EpochView:
         """Whether a store of ``key`` not counted as a copy (see ``unproven``) came before
         batch ``seq`` on ``medium`` of ``group``."""
         marks = self.unproven.get(Tier(medium, group))
-        first = marks.get(key) if marks else None
-        return first is not None and first < seq
+        seqs = marks.get(key) if marks else None
+        return seqs is not None and seqs[0] < seq
+
+    def confirm_re_announcement(self, step_seq: int, hashes: list[int]) -> int:
+        """A request that looked up in batch ``step_seq`` and hit exactly ``hashes`` (its first
+        C / B blocks) tells a store with no parent of exactly that chain in that step apart:
+        its re-announcement (`kv_cache_report_mode: "full"`), no copy -- a request that hit a
+        block did not recompute it. One such store goes per tier (another one alike in the
+        same step, a duplicate for all anyone knows, stays open); a store of a longer or
+        another chain -- a request that recomputed its prompt -- is never taken for it.
+        Returns how many blocks' marks went."""
+        stores = self.unproven_stores.get(step_seq)
+        if not stores:
+            return 0
+        chain, gone, done = tuple(hashes), 0, set()
+        for i in range(len(stores) - 1, -1, -1):
+            tier, stored = stores[i]
+            if stored != chain or tier in done:
+                continue
+            done.add(tier)
+            del stores[i]
+            marks = self.unproven.get(tier, {})
+            for h in stored:
+                seqs = marks.get(h)
+                if seqs and step_seq in seqs:
+                    seqs.remove(step_seq)
+                    gone += 1
+                    if not seqs:
+                        del marks[h]
+            if not marks:
+                self.unproven.pop(tier, None)
+        if not stores:
+            del self.unproven_stores[step_seq]
+        return gone
 
     def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable]:
         """The (primary GPU table?, table) of the event's (medium, group), made on its first
@@ -503,8 +540,10 @@ class EpochView:
         copies = self.same_step_copies  # in place: the compiled applier holds this dict
         for key in [k for k, q in copies.items() if horizon_seq is None or q < horizon_seq]:
             del copies[key]
+        for seq in [q for q in self.unproven_stores if horizon_seq is None or q < horizon_seq]:
+            del self.unproven_stores[seq]
         for tier, marks in list(self.unproven.items()):
-            old = [h for h, q in marks.items() if horizon_seq is None or q < horizon_seq]
+            old = [h for h, seqs in marks.items() if horizon_seq is None or seqs[0] < horizon_seq]
             for h in old:
                 del marks[h]
             self.pruned.add_many(old, before_ts)  # an absence claim that would need one answers aged out
@@ -777,6 +816,21 @@ class ResidencyIndex:
 
     def reaches(self, view: EpochView, t: float) -> bool:
         return view.reaches(t, self.tail_margin_s)
+
+    def confirm_re_announcement(self, worker: str, t: float, hashes: list[int]) -> int:
+        """A request on ``worker`` looked up at ``t`` and hit ``hashes``: its step's store with
+        no parent of them was its re-announcement (`EpochView.confirm_re_announcement`).
+        Returns how many marks went (counted: ``re_announced_confirmed``)."""
+        gone = 0
+        for view in self.views(worker):
+            if view.unproven:
+                step = view.lookup_step(t, self.tail_margin_s)
+                if step is not None:
+                    gone += view.confirm_re_announcement(step, hashes)
+        if gone:
+            self.generation += 1  # (a fleet round's absence windows may change)
+            self.anomalies[("re_announced_confirmed", worker)] += gone
+        return gone
 
     def prune(self, now_ts: float, limit: int | None = None) -> int:
         """Apply retention at engine time ``now_ts``; returns how many blocks lost records.

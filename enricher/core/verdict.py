@@ -238,8 +238,8 @@ def attribute(
     if evidence.presence is Presence.ABSENT:
         return _verdict(Label.NO_MATCH, _no_match_reason(facts, evidence), **known)
     if evidence.re_announced:
-        reason = ("the block this verdict needed was announced only by a store that may re-announce a "
-                  "reused chain (kv_cache_report_mode full), so whether it was ever resident is not proven")
+        reason = ("a store with no parent of a block this verdict needs may re-announce a reused chain "
+                  "(kv_cache_report_mode full) or be a second copy; the request it was for was not seen")
     elif evidence.same_step_copies:
         reason = ("two copies of the first missed block were stored in the engine step of the "
                   "lookup; whether one preceded it (a request skipping the cache) is not established")

@@ -307,6 +307,10 @@ class KvmissCollector(Collector):
                 labels=["worker"]),
             "re_announced_blocks": CounterMetricFamily(
                 "kvmiss_index_re_announced_blocks", "Blocks in those stores.", labels=["worker"]),
+            "re_announced_confirmed": CounterMetricFamily(
+                "kvmiss_index_re_announced_confirmed", "Blocks of those stores a request that hit them in the same "
+                "step showed to be its re-announcement (no copy): absence claims over them are made again.",
+                labels=["worker"]),
             "stale_partial_stores": CounterMetricFamily(
                 "kvmiss_index_stale_partial_stores", "Partial-block stores of a hash removed earlier in the epoch "
                 "(vLLM #49125: a stale partial hash re-registered after its block's promotion): applied as new "

@@ -179,3 +179,14 @@ def test_in_a_hybrid_another_workers_full_attention_copy_does_not_prove_routing(
         index.apply(x)
     v = judge(index, chain_request("B", b.ts(30), P, prompt_tokens=200, cached_tokens=0))
     assert v.label is Label.UNKNOWN_HISTORY and "other KV-cache groups" in v.reason
+
+
+def test_a_full_attention_group_in_larger_blocks_than_the_requests_hash_unit_is_unknown_not_no_match():
+    """prefix_match_unit 16 under 32-token blocks: the request's chain is in 16-token hashes,
+    the group stores the hash at each 32-token boundary, so an interior hash is never stored
+    there -- not a prompt change. Never no_match."""
+    fine = [0xE000 + i for i in range(8)]
+    index, a = worker({3: [group_stored(FULL, *fine[1::2], block_size=32),
+                           group_stored(2, fine[7], kind="mamba", block_size=32)]})
+    v = judge(index, chain_request("A", a.ts(10) - 0.5, fine, prompt_tokens=129, cached_tokens=32, block_size=16))
+    assert v.label is Label.UNKNOWN_HISTORY and "block size 32" in v.reason

@@ -6,7 +6,8 @@ with no parent from block 0 (`BlockPool.emit_cached_block_events`); an exact one
 that recomputes block 0 stores it again with no parent too. On the wire the two are the same,
 so such a store (no parent, its last block already resident) is never counted as a copy:
 a resident claim rests on the counted copies (a lower bound), and an absence claim after it
-is not made."""
+is not made -- until the request it re-announced for (it hit those blocks, in that step)
+shows what it was."""
 
 from __future__ import annotations
 
@@ -27,11 +28,31 @@ def feed(index: ResidencyIndex, a: WorkerFeed, events: dict, seqs=range(0, 30)) 
         index.apply(b)
 
 
+def reporter(a: WorkerFeed, seq: int, chain: list[int], block_size: int = 16):
+    """The request that re-announced ``chain`` in batch ``seq``: it hit all of it."""
+    return chain_request("A", a.ts(seq) - 0.5, chain + [0xDEAD], prompt_tokens=(len(chain) + 1) * block_size + 1,
+                         cached_tokens=len(chain) * block_size, block_size=block_size)
+
+
 def test_a_re_announced_chain_never_makes_a_removed_block_look_resident():
     index, a = ResidencyIndex(), WorkerFeed("A")
     feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 7: [stored(H - 1, H)], 15: [removed(H)]})
-    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.EVICTED
     assert index.anomalies[("re_announced_stores", "A")] == 2
+    miss = request("A", a.ts(20) - 0.5)
+    assert judge(index, miss).label is Label.UNKNOWN_HISTORY  # never resident_miss
+    judge(index, reporter(a, 6, [H - 1, H]))
+    assert judge(index, miss).label is Label.UNKNOWN_HISTORY  # the store at 7 is still open
+    judge(index, reporter(a, 7, [H - 1, H]))
+    v = judge(index, miss)
+    assert v.label is Label.EVICTED and v.removed_seq == 15
+
+
+def test_a_request_that_hit_in_another_step_confirms_nothing():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 15: [removed(H)]})
+    judge(index, reporter(a, 5, [H - 1, H]))
+    assert index.anomalies[("re_announced_confirmed", "A")] == 0
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY
 
 
 def test_while_the_counted_copy_stands_the_block_is_still_proven_resident():
@@ -40,13 +61,16 @@ def test_while_the_counted_copy_stands_the_block_is_still_proven_resident():
     assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.RESIDENT_MISS
 
 
-def test_an_exact_one_block_prompts_recompute_looks_the_same_and_is_not_counted_either():
-    """Block 0 stored, then stored again with no parent (the lookup limit's recompute): after one
-    removal the second copy may or may not remain; resident is not claimed, the removal stands."""
+def test_an_exact_one_block_prompts_recompute_looks_the_same_and_nothing_is_claimed_after_a_removal():
+    """Block 0 stored, then stored again with no parent (the lookup limit's recompute; the
+    request hit nothing, so it confirms nothing): after one removal the second copy may or may
+    not remain -- neither resident_miss nor evicted is proven (the demo's ground truth found
+    the duplicate real: a request that skips the cache)."""
     index, a = ResidencyIndex(), WorkerFeed("A")
     feed(index, a, {3: [stored(H)], 4: [stored(H)], 9: [removed(H)]})
+    judge(index, chain_request("A", a.ts(4) - 0.5, [H], prompt_tokens=16, cached_tokens=0, block_size=16))
     v = judge(index, request("A", a.ts(12) - 0.5, cached_blocks=0, first_miss=H))
-    assert v.label is Label.EVICTED and v.removed_seq == 9
+    assert v.label is Label.UNKNOWN_HISTORY and "second copy" in v.reason
 
 
 def test_a_store_with_a_parent_is_a_real_copy_and_counted():
@@ -84,6 +108,10 @@ def test_a_window_groups_re_announcement_names_blocks_it_never_stored_so_never_s
     assert p[0] not in index.views("A")[0].tiers[("GPU", WINDOW)]
     v = judge(index, chain_request("A", a.ts(10) - 0.5, q, prompt_tokens=130, cached_tokens=0))
     assert v.label is Label.UNKNOWN_HISTORY and "re-announce" in v.reason
+    # P's own request at 6 hit all six blocks: its stores were re-announcements
+    judge(index, reporter(a, 6, p[:6], block_size=32))
+    v = judge(index, chain_request("A", a.ts(10) - 0.5, q, prompt_tokens=130, cached_tokens=0))
+    assert v.label is Label.WINDOW_LIMIT
 
 
 def test_vllm_49125_a_stale_partial_store_after_its_removal_is_a_new_store_and_counted():
@@ -124,6 +152,7 @@ def test_in_a_hybrid_each_groups_re_announcement_is_no_copy_of_its_own():
     assert index.anomalies[("re_announced_stores", "A")] == 2
     view = index.views("A")[0]
     assert view.media["GPU"].copies(H - 1) == 1 and view.tiers[("GPU", WINDOW)].copies(H) == 1
+    judge(index, reporter(a, 5, chain, block_size=32))
     v = judge(index, chain_request("A", a.ts(12) - 0.5, chain + [H + 2], prompt_tokens=130, cached_tokens=32))
     assert v.label is Label.EVICTED and v.removed_seq == 9  # read in the full-attention group
 
@@ -135,3 +164,14 @@ def test_marks_leave_with_retention_into_the_aged_out_filter():
     assert view.unproven and view.unproven_before(0, H, 6) and not view.unproven_before(0, H, 5)
     index.prune(a.ts(29))  # horizon at seq 24: the marks of seq 5 go
     assert view.unproven == {} and H in view.pruned
+
+
+def test_a_request_that_hit_part_of_a_recomputed_chain_does_not_take_it_for_its_re_announcement():
+    """The demo's ground truth: in one step a request hit the shared prefix while a request that
+    skips the cache recomputed the prefix and its own blocks (a real copy). Only a store of
+    exactly the chain the request hit can be its re-announcement."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H, H + 1)], 6: [stored(H - 1, H, H + 1)], 15: [removed(H)]})
+    judge(index, reporter(a, 6, [H - 1, H]))  # hit two blocks; the store at 6 has three
+    assert index.anomalies[("re_announced_confirmed", "A")] == 0
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY

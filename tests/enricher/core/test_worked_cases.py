@@ -194,13 +194,22 @@ def test_case_hybrid_the_same_prompt_with_its_window_evicted_from_the_window_gro
 def test_case_full_report_mode_a_re_announcement_is_no_copy_so_one_removal_makes_it_evicted():
     """A request with `kv_cache_report_mode: "full"` hit 3 blocks: its step carries a
     BlockStored of those 3 hashes with no parent. A later single BlockRemoved of one of them
-    makes it absent: a miss on it is evicted, not resident_miss (ATTRIBUTION.md rule 7)."""
+    makes it absent: a miss on it is evicted, not resident_miss (ATTRIBUTION.md rule 7). The
+    re-announcing request itself (3 blocks hit, looked up in that step) tells its store from
+    a recomputed duplicate; before its facts are seen, absence is not claimed either."""
     chain = [H - 1, H, H + 1]
     index, a = ResidencyIndex(), WorkerFeed("A", epoch=7)
     events = {3: [stored(*chain)], 10: [stored(*chain)], 15: [removed(H)]}
     for b in a.batches(range(0, 30), events):
         index.apply(b)
-    v = judge(index, request("A", a.ts(20) - 0.5))
-    assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 15)
     assert index.anomalies[("re_announced_stores", "A")] == 1
     assert index.anomalies[("re_announced_blocks", "A")] == 3
+    miss = request("A", a.ts(20) - 0.5)
+    assert judge(index, miss).label is Label.UNKNOWN_HISTORY  # a duplicate, for all kvmiss knows yet
+
+    reporter = RequestFacts(prompt_tokens=4 * 16 + 1, cached_tokens=3 * 16, block_size=16, worker="A",
+                            lookup_time=a.ts(10) - 0.5, block_hashes=chain + [H + 2])
+    assert judge(index, reporter).label is Label.NO_MATCH  # (its 4th block was never stored)
+    assert index.anomalies[("re_announced_confirmed", "A")] == 3
+    v = judge(index, miss)
+    assert v.label is Label.EVICTED and (v.stored_seq, v.removed_seq) == (3, 15)
