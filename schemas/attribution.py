@@ -116,6 +116,9 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     instance_hint: str | None = None  # e.g. resource service.instance.id
     route_policy: str | None = None
     predicted_cached_tokens: int | None = None
+    # vLLM's `kv_cache_report_mode` of the request ("full": the engine re-announced the chain
+    # it reused -- what tells that store from a duplicate, ATTRIBUTION.md rule 7).
+    kv_cache_report_mode: str | None = None
     # Opt-in prompt material, for divergence detail only: used in memory, never written out.
     token_ids: list[int] | None = None
     extra_keys: ExtraKeysSpec | None = None
@@ -147,6 +150,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     instance_hint: str | None = None
     route_policy: str | None = None
     predicted_cached_tokens: int | None = None
+    kv_cache_report_mode: str | None = None
     finish_time: float | None = None
     output_tokens: int | None = None
 

@@ -41,6 +41,9 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # generated (vLLM's `llm_request` carries the older name; the GenAI conventions the newer).
     output_tokens: list[str] = msgspec.field(
         default_factory=lambda: ["gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"])
+    # vLLM's per-request `kv_cache_report_mode` ("full": the engine re-announces the chain the
+    # request reused); set by the router that sets `vllm_xargs`, or the kvmiss vLLM plugin.
+    kv_cache_report_mode: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.kv_cache_report_mode"])
     transfer_result: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.result"])
     transfer_source: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.source"])
     # Prompt tokens the engine computed (and wrote to the cache): the GenAI conventions' cache

@@ -72,10 +72,15 @@ class Attributor:
         return verdict
 
     def _confirm_re_announcement(self, facts: RequestFacts) -> None:
-        """A request that hit blocks tells its own step's store with no parent of them apart
-        from a recomputed duplicate: it was the full report mode's re-announcement (ATTRIBUTION.md
-        rule 7; `ResidencyIndex.confirm_re_announcement`). Only the index's marks change."""
+        """A request in full report mode (its spans say `kv_cache_report_mode` "full") that hit
+        blocks tells its own step's store with no parent of exactly them apart from a
+        recomputed duplicate: it was its re-announcement (ATTRIBUTION.md rule 7;
+        `ResidencyIndex.confirm_re_announcement`). A request not known to be in that mode
+        confirms nothing: beside it, a request that skips the cache can store a real second
+        copy of the very chain it hit. Only the index's marks change."""
         b, chain, t, worker = facts.block_size, facts.block_hashes, facts.lookup_time, facts.worker
+        if facts.kv_cache_report_mode != "full":
+            return  # only a request in full report mode re-announces (a duplicate looks the same)
         if b <= 0 or facts.cached_tokens < b or not chain or t is None or worker is None:
             return
         view = self.index.current.get(worker)

@@ -358,6 +358,7 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         transfers=transfers,
         instance_hint=m.get("instance"),
         route_policy=m.get("route_policy"),
+        kv_cache_report_mode=m.get("kv_cache_report_mode"),
         predicted_cached_tokens=m.get("predicted_cached_tokens"),
         token_ids=token_ids,
         extra_keys=spec,

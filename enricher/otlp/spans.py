@@ -51,6 +51,7 @@ class SpanFacts(msgspec.Struct, kw_only=True):
     queue_lookup_time: float | None = None  # span start + time in queue (vLLM), seconds
     transfer: TransferAttempt | None = None
     recomputed_tokens: int | None = None
+    kv_cache_report_mode: str | None = None
     tenant_policy: str | None = None
     adapter: str | None = None
     model_revision: str | None = None
@@ -155,7 +156,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "instance": _str, "block_hashes": _hash_list, "token_ids": _int_list, "extra_keys": _str,
     "extra_key_kinds": _str_list, "lookup_time_unix_nano": _int, "time_in_queue_s": _float,
     "transfer_result": _transfer_result, "transfer_source": _str, "recomputed_tokens": _int,
-    "tenant_policy": _str, "adapter": _str, "model_revision": _str, "template_version": _str,
+    "kv_cache_report_mode": _str, "tenant_policy": _str, "adapter": _str, "model_revision": _str, "template_version": _str,
     "output_tokens": _int,
 }
 

@@ -63,6 +63,7 @@ def record_of(facts: RequestFacts, trace_id: bytes | None = None) -> RequestReco
         worker=facts.worker, dp_rank=facts.dp_rank, lookup_time=facts.lookup_time,
         block_hashes=facts.block_hashes, extra_key_kinds=facts.extra_key_kinds, transfers=facts.transfers,
         instance_hint=facts.instance_hint, route_policy=facts.route_policy,
+        kv_cache_report_mode=facts.kv_cache_report_mode,
         predicted_cached_tokens=facts.predicted_cached_tokens, finish_time=facts.finish_time,
         output_tokens=facts.output_tokens)
 

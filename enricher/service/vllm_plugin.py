@@ -73,6 +73,7 @@ ATTR_REQUEST_ID = "gen_ai.request.id"
 ATTR_PROMPT_TOKENS = "gen_ai.usage.input_tokens"
 ATTR_CACHED_TOKENS = "kvmiss.cached_tokens"
 ATTR_BLOCK_SIZE = "kvmiss.block_size"
+ATTR_REPORT_MODE = "kvmiss.kv_cache_report_mode"
 ATTR_BLOCK_HASHES = "kvmiss.block_hashes"
 ATTR_LOOKUP_TIME = "kvmiss.lookup_time_unix_nano"
 ATTR_EXTRA_KEY_KINDS = "kvmiss.extra_key_kinds"
@@ -96,6 +97,9 @@ class LookupRecord(NamedTuple):
     block_hashes: Sequence[Any]  # the request's own hash list (append-only), read later
     extra_key_kinds: tuple[str, ...]
     trace_headers: Mapping[str, str] | None
+    # vLLM's per-request `kv_cache_report_mode` ("full": the engine re-announces the chain the
+    # request reused, which kvmiss must tell from a duplicate); None when the request has none.
+    report_mode: str | None = None
 
 
 def otel_int(block_hash: Any) -> int:
@@ -108,6 +112,12 @@ def otel_int(block_hash: Any) -> int:
     else:
         value = int(block_hash) & _MASK64
     return value - (1 << 64) if value & _SIGN64 else value
+
+
+def _report_mode(request: Any) -> str | None:
+    """The request's `kv_cache_report_mode` when it is a short plain string (vLLM 0.32+)."""
+    mode = getattr(request, "kv_cache_report_mode", None)
+    return mode if isinstance(mode, str) and len(mode) <= 16 else None
 
 
 def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | None) -> dict[str, Any]:
@@ -124,6 +134,8 @@ def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | N
     }
     if dp_rank is not None:
         attrs[ATTR_DP_RANK] = dp_rank
+    if record.report_mode is not None:
+        attrs[ATTR_REPORT_MODE] = record.report_mode
     if record.extra_key_kinds:
         attrs[ATTR_EXTRA_KEY_KINDS] = list(record.extra_key_kinds)
     if block_size > 0 and record.block_hashes is not None:
@@ -226,7 +238,8 @@ class Recorder:
             return  # a re-lookup after preemption: the reported cached tokens are the first
         record = LookupRecord(
             request.request_id, start_ns, end_ns, request.num_tokens, int(result[1]),
-            request.block_hashes, extra_key_kinds(request), request.trace_headers)
+            request.block_hashes, extra_key_kinds(request), request.trace_headers,
+            _report_mode(request))
         pending = self.pending
         pending[record.request_id] = record
         if len(pending) > self.max_pending:

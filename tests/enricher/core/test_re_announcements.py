@@ -28,10 +28,11 @@ def feed(index: ResidencyIndex, a: WorkerFeed, events: dict, seqs=range(0, 30)) 
         index.apply(b)
 
 
-def reporter(a: WorkerFeed, seq: int, chain: list[int], block_size: int = 16):
-    """The request that re-announced ``chain`` in batch ``seq``: it hit all of it."""
+def reporter(a: WorkerFeed, seq: int, chain: list[int], block_size: int = 16, mode: str | None = "full"):
+    """The request that re-announced ``chain`` in batch ``seq``: it hit all of it, in full
+    report mode (its spans say so)."""
     return chain_request("A", a.ts(seq) - 0.5, chain + [0xDEAD], prompt_tokens=(len(chain) + 1) * block_size + 1,
-                         cached_tokens=len(chain) * block_size, block_size=block_size)
+                         cached_tokens=len(chain) * block_size, block_size=block_size, kv_cache_report_mode=mode)
 
 
 def test_a_re_announced_chain_never_makes_a_removed_block_look_resident():
@@ -173,5 +174,17 @@ def test_a_request_that_hit_part_of_a_recomputed_chain_does_not_take_it_for_its_
     index, a = ResidencyIndex(), WorkerFeed("A")
     feed(index, a, {3: [stored(H - 1, H, H + 1)], 6: [stored(H - 1, H, H + 1)], 15: [removed(H)]})
     judge(index, reporter(a, 6, [H - 1, H]))  # hit two blocks; the store at 6 has three
+    assert index.anomalies[("re_announced_confirmed", "A")] == 0
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY
+
+
+def test_a_request_not_known_to_be_in_full_report_mode_confirms_nothing_even_for_its_exact_chain():
+    """The demo's ground truth, seed 7: the same prompt twice in one step, one request hitting
+    its three blocks, the other (prompt logprobs: it skips the cache) recomputing them and
+    storing a real second copy with no parent. Only a request in full report mode re-announces."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H, H + 1)], 6: [stored(H - 1, H, H + 1)], 15: [removed(H)]})
+    for mode in (None, "incremental"):
+        judge(index, reporter(a, 6, [H - 1, H, H + 1], mode=mode))
     assert index.anomalies[("re_announced_confirmed", "A")] == 0
     assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY

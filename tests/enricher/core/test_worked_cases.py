@@ -208,7 +208,7 @@ def test_case_full_report_mode_a_re_announcement_is_no_copy_so_one_removal_makes
     assert judge(index, miss).label is Label.UNKNOWN_HISTORY  # a duplicate, for all kvmiss knows yet
 
     reporter = RequestFacts(prompt_tokens=4 * 16 + 1, cached_tokens=3 * 16, block_size=16, worker="A",
-                            lookup_time=a.ts(10) - 0.5, block_hashes=chain + [H + 2])
+                            lookup_time=a.ts(10) - 0.5, block_hashes=chain + [H + 2], kv_cache_report_mode="full")
     assert judge(index, reporter).label is Label.NO_MATCH  # (its 4th block was never stored)
     assert index.anomalies[("re_announced_confirmed", "A")] == 3
     v = judge(index, miss)

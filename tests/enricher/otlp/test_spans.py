@@ -51,6 +51,10 @@ def attrs_of(s) -> dict:
 
 
 class TestReading:
+    def test_vllms_kv_cache_report_mode_is_read(self):
+        f = SpanReader().read(span(gen_ai__request__id="r1", kvmiss__kv_cache_report_mode="full"))
+        assert f.kv_cache_report_mode == "full"
+
     def test_the_genai_cache_write_count_is_read_under_its_new_and_its_old_name(self):
         for name in ("gen_ai__usage__cache_write__input_tokens", "gen_ai__usage__cache_creation__input_tokens"):
             f = SpanReader().read(span(gen_ai__request__id="r1", gen_ai__usage__input_tokens=100,

@@ -669,3 +669,16 @@ class TestServeReadsPluginSpans:
         got = sorted((attrs(s)["gen_ai.request.id"], attrs(s).get("kvmiss.label")) for s in sink.spans())
         assert got == [("cmpl-x-0", None), ("cmpl-x-0-0000cafe", "evicted"), ("cmpl-x-1", None),
                        ("cmpl-x-1-0000beef", "hit")]
+
+
+def test_a_request_in_full_report_mode_says_so_on_its_lookup_span():
+    class Request:
+        kv_cache_report_mode = "full"
+
+    assert plugin._report_mode(Request()) == "full"
+    assert plugin._report_mode(object()) is None
+    record = plugin.LookupRecord("r1", 0, 1, 40, 16, [1, 2, 3], (), None, "full")
+    attrs = plugin.lookup_attributes(record, block_size=16, dp_rank=None)
+    assert attrs["kvmiss.kv_cache_report_mode"] == "full"
+    assert "kvmiss.kv_cache_report_mode" not in plugin.lookup_attributes(record._replace(report_mode=None),
+                                                                          block_size=16, dp_rank=None)
