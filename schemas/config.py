@@ -176,6 +176,12 @@ class HistoryConfig(_Section):
     # until it is back within. Longer: slower to notice a clock falling behind, and to
     # trust one that came back from running ahead; shorter: a long stall can flip it.
     clock_skew_window_s: float = 30.0
+    # Whether requests may use vLLM's `kv_cache_report_mode: "full"` (0.32+), which
+    # re-announces a reused chain as a BlockStored with no parent -- on the wire the same as
+    # a recomputed second copy. "any" (default): no claim rests on such a store until the
+    # request it was for says so (ATTRIBUTION.md rule 7). "incremental": the deployment
+    # promises no request uses "full"; such a store is then a real copy and counted.
+    kv_cache_report_mode: Literal["any", "incremental"] = "any"
 
 
 class CollectorConfig(_Section):

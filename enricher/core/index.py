@@ -261,7 +261,7 @@ class EpochView:
 
     def __init__(self, worker: str, epoch: int, instance: str | None, *,
                  divergence_detail: bool = False, aged_out_horizon_s: float = float("inf"),
-                 counts: collections.Counter | None = None):
+                 counts: collections.Counter | None = None, re_announcements: bool = True):
         self.worker = worker
         self.epoch = epoch
         self.instance = instance
@@ -298,6 +298,9 @@ class EpochView:
         self.unproven_stores: dict[int, list[tuple[Tier, tuple[int, ...]]]] = {}
         # Per-worker event facts for the metrics (the index's `anomalies`, shared by its views).
         self.counts: collections.Counter = counts if counts is not None else collections.Counter()
+        # False: the deployment promises no request re-announces ([history] kv_cache_report_mode
+        # = "incremental"), so a store with no parent re-storing a resident chain is a copy.
+        self.re_announcements = re_announcements
         self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
         self.pruned = PrunedFilter(aged_out_horizon_s)
         self.horizon_ts: float | None = None  # records before this engine time may be gone
@@ -362,7 +365,7 @@ class EpochView:
         gpu_group0, table = found
         if cls is BlockStored:
             hashes = event.block_hashes
-            if event.parent_block_hash is None and hashes and table.copies(hashes[-1]):
+            if self.re_announcements and event.parent_block_hash is None and hashes and table.copies(hashes[-1]):
                 self._unproven_store(event, seq, table if gpu_group0 else None)
                 return
             size = event.block_size
@@ -702,8 +705,11 @@ class ResidencyIndex:
     def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0,
                  keep_previous_epochs: int = 1, divergence_detail: bool = False,
                  tail_margin_s: float = TAIL_MARGIN_S, membership_uncertainty_s: float = 2.0,
-                 dynamic_membership: bool = False, aged_out_horizon_s: float = 3600.0):
+                 dynamic_membership: bool = False, aged_out_horizon_s: float = 3600.0,
+                 re_announcements: bool = True):
         workers = list(workers)
+        # Whether requests may re-announce reused chains ([history] kv_cache_report_mode).
+        self.re_announcements = re_announcements
         self.membership = Membership(workers, band_s=membership_uncertainty_s, dynamic=dynamic_membership)
         self.retention_s = retention_s
         self.aged_out_horizon_s = aged_out_horizon_s  # see `PrunedFilter`
@@ -746,7 +752,8 @@ class ResidencyIndex:
                 older.appendleft(view)  # read-only from now on
             view = self.current[batch.worker] = EpochView(
                 batch.worker, batch.epoch, batch.instance, divergence_detail=self.divergence_detail,
-                aged_out_horizon_s=self.aged_out_horizon_s, counts=self.anomalies)
+                aged_out_horizon_s=self.aged_out_horizon_s, counts=self.anomalies,
+                re_announcements=self.re_announcements)
             self.tracked.add(batch.worker)
         view.apply(batch)
 

@@ -56,6 +56,8 @@ def demo_config(workers: dict[str, tuple[str, str]], export_file: Path, digest_k
         "[privacy]", f"digest_key = {_toml_str(digest_key)}",
         "[metrics]", 'listen = "127.0.0.1:0"',
         "[history]", f"wait_s = {HISTORY_WAIT_S}", f"assemble_wait_s = {ASSEMBLE_WAIT_S}",
+        # the simulated engines never re-announce: a store with no parent is a real copy there
+        'kv_cache_report_mode = "incremental"',
     ]
     for worker, (endpoint, replay) in workers.items():
         lines += ["[[workers]]", f"id = {_toml_str(worker)}", f"endpoint = {_toml_str(endpoint)}",

@@ -106,6 +106,7 @@ class Service:
         self.index = ResidencyIndex([w.id for w in config.workers],
                                     retention_s=history.retention_s,
                                     aged_out_horizon_s=history.aged_out_horizon_s,
+                                    re_announcements=history.kv_cache_report_mode == "any",
                                     tail_margin_s=history.clock_skew_s + history.publish_delay_s,
                                     membership_uncertainty_s=config.fleet.membership_uncertainty_s,
                                     dynamic_membership=bool(sources))

@@ -37,6 +37,7 @@ def test_the_commented_example_loads():
     ("[engine]\nblock_size = 0\n", "engine.block_size"),
     ("not toml = = 1", "not valid TOML"),
     ("[attributes]\nworkr = ['x']\n", "unknown field `workr`"),
+    ("[history]\nkv_cache_report_mode = 'full'\n", "history.kv_cache_report_mode"),
 ])
 def test_a_bad_key_is_named(text, fragment):
     with pytest.raises(ConfigError) as info:
@@ -195,3 +196,10 @@ def test_collector_heartbeat_defaults_and_off():
     assert (collector.heartbeat_interval_s, collector.heartbeat_timeout_s) == (1.0, 4.0)
     # 0 turns them off; the timeout is then not looked at
     assert parse_config("[collector]\nheartbeat_interval_s = 0\nheartbeat_timeout_s = 0\n").collector.heartbeat_interval_s == 0
+
+
+def test_the_report_mode_promise_reaches_the_index():
+    from kvmiss.enricher.core.index import ResidencyIndex
+    assert parse_config("").history.kv_cache_report_mode == "any"
+    assert parse_config("[history]\nkv_cache_report_mode = 'incremental'\n").history.kv_cache_report_mode == "incremental"
+    assert ResidencyIndex().re_announcements and not ResidencyIndex(re_announcements=False).re_announcements

@@ -188,3 +188,12 @@ def test_a_request_not_known_to_be_in_full_report_mode_confirms_nothing_even_for
         judge(index, reporter(a, 6, [H - 1, H, H + 1], mode=mode))
     assert index.anomalies[("re_announced_confirmed", "A")] == 0
     assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY
+
+
+def test_a_deployment_that_promises_no_full_report_mode_counts_such_a_store_as_a_copy():
+    """[history] kv_cache_report_mode = "incremental": a store with no parent re-storing a resident
+    chain can only be a recomputed copy, so it is counted and the block outlives one removal."""
+    index, a = ResidencyIndex(re_announcements=False), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 15: [removed(H)]})
+    assert index.anomalies[("re_announced_stores", "A")] == 0
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.RESIDENT_MISS
