@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         elif config and (config.privacy.digest_key or config.privacy.digest_key_env):
             key = load_digest_key(config.privacy.digest_key, config.privacy.digest_key_env)
         stats = ReadStats()
-        index = index_from_recording(args.events, workers, stats=stats)
+        index = index_from_recording(args.events, workers, stats=stats, re_announcements=(
+            config is None or config.history.kv_cache_report_mode == "any"))
     except (ConfigError, DigestKeyError, RecordingError, OSError) as exc:
         print(f"kvmiss attribute: {exc}", file=sys.stderr)
         return 2

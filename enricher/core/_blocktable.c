@@ -957,6 +957,8 @@ typedef struct {
     PyObject *note;         /* callable(event, seq) for GPU group-0 stores, or None */
     PyObject *recent;       /* the table the last call used (for prefetching), or NULL */
     unsigned long long gpu_removed; /* hashes removed from GPU group-0 tables so far (evictions) */
+    int orphans; /* set by the view while it holds uncounted stores: leave it a removal of a block
+                  * with no live copy (the uncounted copy's own removal, EpochView._apply_event) */
 } Applier;
 
 static PyObject *str_block_hashes, *str_medium, *str_group_idx, *str_parent, *str_block_size;
@@ -1182,6 +1184,8 @@ static PyObject *apply_encoded(Applier *a, KvEncodedEvents *e, PyObject *seq_obj
                 }
             }
         } else {
+            if (a->orphans && ev->n_hashes && !resident_key(t, keys[0]))
+                break;
             for (uint32_t j = 0; j < ev->n_hashes; j++)
                 if (remove_key(t, keys[j], seq, ts) < 0)
                     return NULL;
@@ -1277,6 +1281,15 @@ static PyObject *Applier_call(Applier *a, PyObject *args, PyObject *kwds) {
         PyObject *hashes = field(event, at->block_hashes, str_block_hashes);
         if (!hashes)
             goto fail;
+        if (!storing && a->orphans && PyList_CheckExact(hashes) && PyList_GET_SIZE(hashes) > 0) {
+            uint64_t first;
+            if (key_of(PyList_GET_ITEM(hashes, 0), &first) < 0)
+                PyErr_Clear(); /* reported when the block is applied */
+            else if (!resident_key(t, first)) {
+                Py_DECREF(hashes);
+                break;
+            }
+        }
         if (storing) {
             int leave = stored_left_to_python(a, event, t, hashes);
             if (leave < 0) {
@@ -1332,6 +1345,8 @@ fail:
 }
 
 static PyMemberDef Applier_members[] = {
+    {"orphans", T_INT, offsetof(Applier, orphans), 0,
+     "nonzero: stop at a BlockRemoved whose first block has no live copy (left to Python)"},
     {"gpu_removed", T_ULONGLONG, offsetof(Applier, gpu_removed), READONLY,
      "hashes removed from GPU group-0 tables so far: the evictions what-if sizing counts"},
     {NULL, 0, 0, 0, NULL},

@@ -75,13 +75,14 @@ class Attributor:
         """A request in full report mode (its spans say `kv_cache_report_mode` "full") that hit
         blocks tells its own step's store with no parent of exactly them apart from a
         recomputed duplicate: it was its re-announcement (ATTRIBUTION.md rule 7;
-        `ResidencyIndex.confirm_re_announcement`). A request not known to be in that mode
+        `ResidencyIndex.confirm_re_announcement`: the first such store at or after its lookup
+        step, or at all when its lookup time is not known). A request not known to be in that mode
         confirms nothing: beside it, a request that skips the cache can store a real second
         copy of the very chain it hit. Only the index's marks change."""
         b, chain, t, worker = facts.block_size, facts.block_hashes, facts.lookup_time, facts.worker
         if facts.kv_cache_report_mode != "full":
             return  # only a request in full report mode re-announces (a duplicate looks the same)
-        if b <= 0 or facts.cached_tokens < b or not chain or t is None or worker is None:
+        if b <= 0 or facts.cached_tokens < b or not chain or worker is None:
             return
         view = self.index.current.get(worker)
         if (view is None or not view.unproven) and not self.index.previous.get(worker):

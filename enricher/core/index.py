@@ -343,18 +343,22 @@ class EpochView:
         events, applier = batch.events, self._applier
         if applier is None:
             for event in events:
-                self._apply_event(event, seq, ts)
+                self._apply_event(event, seq, ts, events)
             self.log_removed.append(self._removed_in_python)
             return
         # The compiled loop stops at what it leaves to Python (a clear, a first event of a
-        # new medium or group); handle that one here and resume after it.
+        # new medium or group, a store or removal `_apply_event` weighs); handle that one
+        # here and resume after it.
+        # (While stores are left uncounted, it leaves their removals to Python too.)
+        applier.orphans = 1 if self.unproven else 0
         i, n = applier(events, seq, ts), len(events)
         while i < n:
-            self._apply_event(events[i], seq, ts)
+            self._apply_event(events[i], seq, ts, events)
+            applier.orphans = 1 if self.unproven else 0
             i = applier(events, seq, ts, i + 1)
         self.log_removed.append(applier.gpu_removed + self._removed_in_python)
 
-    def _apply_event(self, event, seq: int, ts: float) -> None:
+    def _apply_event(self, event, seq: int, ts: float, batch=()) -> None:
         cls = event.__class__
         if cls is AllBlocksCleared:
             self._clear(seq, ts)
@@ -365,7 +369,8 @@ class EpochView:
         gpu_group0, table = found
         if cls is BlockStored:
             hashes = event.block_hashes
-            if self.re_announcements and event.parent_block_hash is None and hashes and table.copies(hashes[-1]):
+            if (self.re_announcements and event.parent_block_hash is None and hashes and table.copies(hashes[-1])
+                    and self._may_re_announce(event, batch)):
                 self._unproven_store(event, seq, table if gpu_group0 else None)
                 return
             size = event.block_size
@@ -384,7 +389,18 @@ class EpochView:
                 for key in copies:
                     self.same_step_copies[key] = seq
         elif cls is BlockRemoved:
-            table.remove(event.block_hashes, seq, ts)
+            hashes = event.block_hashes
+            if self.unproven and hashes and not table.copies(hashes[0]):
+                marks = self.unproven.get(Tier(canonical_medium(event.medium), event.group_idx or 0))
+                if marks and all(h in marks and not table.copies(h) for h in hashes):
+                    # The removal of a copy never counted: that store was a real copy after
+                    # all. Its mark stays (absence claims since it stay open); no interval
+                    # whose store predates our history is made of it.
+                    self.counts[("uncounted_copies_removed", self.worker)] += len(hashes)
+                    if gpu_group0:
+                        self._removed_in_python += len(hashes)  # an eviction all the same
+                    return
+            table.remove(hashes, seq, ts)
             if gpu_group0:
                 self._removed_in_python += len(event.block_hashes)
 
@@ -408,6 +424,21 @@ class EpochView:
         self.counts[("re_announced_stores", self.worker)] += 1
         self.counts[("re_announced_blocks", self.worker)] += len(event.block_hashes)
 
+    def _may_re_announce(self, event: BlockStored, batch) -> bool:
+        """Whether a store with no parent re-storing a resident chain may be a re-announcement.
+        vLLM re-announces a reused chain in every group that hit it, the full-attention group
+        included and with the same hashes (one block size). A window group's own stores have no
+        parent either (it stores the window at a prompt's end), so one there is a
+        re-announcement only beside the full-attention group's store of the same chain in the
+        same batch; else it is the group's real store (a window recomputed while still kept)."""
+        group = event.group_idx or 0
+        primary = self.groups.get(self.primary_group)
+        if group == self.primary_group or primary is None or not primary.full_attention:
+            return True
+        hashes = event.block_hashes
+        return any(e.__class__ is BlockStored and (e.group_idx or 0) == self.primary_group
+                   and e.parent_block_hash is None and e.block_hashes == hashes for e in batch)
+
     def unproven_before(self, group: int, key: int, seq: int, medium: str = GPU) -> bool:
         """Whether a store of ``key`` not counted as a copy (see ``unproven``) came before
         batch ``seq`` on ``medium`` of ``group``."""
@@ -415,18 +446,22 @@ class EpochView:
         seqs = marks.get(key) if marks else None
         return seqs is not None and seqs[0] < seq
 
-    def confirm_re_announcement(self, step_seq: int, hashes: list[int]) -> int:
-        """A request that looked up in batch ``step_seq`` and hit exactly ``hashes`` (its first
-        C / B blocks) tells a store with no parent of exactly that chain in that step apart:
-        its re-announcement (`kv_cache_report_mode: "full"`), no copy -- a request that hit a
-        block did not recompute it. One such store goes per tier (another one alike in the
-        same step, a duplicate for all anyone knows, stays open); a store of a longer or
-        another chain -- a request that recomputed its prompt -- is never taken for it.
+    def confirm_re_announcement(self, hashes: list[int], from_seq: int | None = None) -> int:
+        """A request in full report mode hit exactly ``hashes`` (its first C / B blocks): one
+        store with no parent of exactly that chain, the first not yet told apart in or after
+        batch ``from_seq`` (its lookup step; None: not known), was its re-announcement -- no
+        copy: a request that hit a block did not recompute it. That store goes in each tier
+        (another one alike stays open: a duplicate for all anyone knows); a store of a longer
+        or another chain -- a request that recomputed its prompt -- is never taken for it.
         Returns how many blocks' marks went."""
-        stores = self.unproven_stores.get(step_seq)
-        if not stores:
+        chain = tuple(hashes)
+        found = [seq for seq, stores in self.unproven_stores.items()
+                 if (from_seq is None or seq >= from_seq) and any(stored == chain for _, stored in stores)]
+        if not found:
             return 0
-        chain, gone, done = tuple(hashes), 0, set()
+        step_seq = min(found)
+        stores = self.unproven_stores[step_seq]
+        gone, done = 0, set()
         for i in range(len(stores) - 1, -1, -1):
             tier, stored = stores[i]
             if stored != chain or tier in done:
@@ -824,16 +859,18 @@ class ResidencyIndex:
     def reaches(self, view: EpochView, t: float) -> bool:
         return view.reaches(t, self.tail_margin_s)
 
-    def confirm_re_announcement(self, worker: str, t: float, hashes: list[int]) -> int:
-        """A request on ``worker`` looked up at ``t`` and hit ``hashes``: its step's store with
-        no parent of them was its re-announcement (`EpochView.confirm_re_announcement`).
-        Returns how many marks went (counted: ``re_announced_confirmed``)."""
+    def confirm_re_announcement(self, worker: str, t: float | None, hashes: list[int]) -> int:
+        """A request in full report mode on ``worker``, looked up at ``t`` (None: not known),
+        hit ``hashes``: its re-announcement is told apart (`EpochView.confirm_re_announcement`,
+        in the first view that has one). Returns how many marks went (counted:
+        ``re_announced_confirmed``)."""
         gone = 0
         for view in self.views(worker):
-            if view.unproven:
-                step = view.lookup_step(t, self.tail_margin_s)
-                if step is not None:
-                    gone += view.confirm_re_announcement(step, hashes)
+            if view.unproven_stores:
+                step = view.lookup_step(t, self.tail_margin_s) if t is not None else None
+                gone = view.confirm_re_announcement(hashes, step)
+                if gone:
+                    break
         if gone:
             self.generation += 1  # (a fleet round's absence windows may change)
             self.anomalies[("re_announced_confirmed", worker)] += gone

@@ -311,6 +311,10 @@ class KvmissCollector(Collector):
                 "kvmiss_index_re_announced_confirmed", "Blocks of those stores a request that hit them in the same "
                 "step showed to be its re-announcement (no copy): absence claims over them are made again.",
                 labels=["worker"]),
+            "uncounted_copies_removed": CounterMetricFamily(
+                "kvmiss_index_uncounted_copies_removed", "Removals of a block whose only copy left was one of "
+                "those stores: it was a real copy after all (a duplicate). Absence claims since it stay open.",
+                labels=["worker"]),
             "stale_partial_stores": CounterMetricFamily(
                 "kvmiss_index_stale_partial_stores", "Partial-block stores of a hash removed earlier in the epoch "
                 "(vLLM #49125: a stale partial hash re-registered after its block's promotion): applied as new "

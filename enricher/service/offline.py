@@ -45,11 +45,13 @@ def workers_in_recording(path: str) -> list[WorkerSpec]:
 
 
 def index_from_recording(path: str, workers: Iterable[WorkerSpec], *,
-                         stats: ReadStats | None = None) -> ResidencyIndex:
-    """Play the recording into a fresh index that keeps every epoch (no retention)."""
+                         stats: ReadStats | None = None, re_announcements: bool = True) -> ResidencyIndex:
+    """Play the recording into a fresh index that keeps every epoch (no retention).
+    ``re_announcements``: False when no request used vLLM's full report mode ([history]
+    kv_cache_report_mode = "incremental")."""
     workers = list(workers)
     index = ResidencyIndex([w.id for w in workers], retention_s=float("inf"),
-                           keep_previous_epochs=1_000_000)
+                           keep_previous_epochs=1_000_000, re_announcements=re_announcements)
 
     def sink(worker: str, action) -> None:
         if isinstance(action, Apply):

@@ -48,10 +48,12 @@ def test_a_re_announced_chain_never_makes_a_removed_block_look_resident():
     assert v.label is Label.EVICTED and v.removed_seq == 15
 
 
-def test_a_request_that_hit_in_another_step_confirms_nothing():
+def test_a_request_that_looked_up_after_the_store_confirms_nothing():
+    """(A lookup time before the store's step may still be its own: with requests in flight a
+    span's lookup time can precede the step that scheduled it. One after it cannot.)"""
     index, a = ResidencyIndex(), WorkerFeed("A")
     feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 15: [removed(H)]})
-    judge(index, reporter(a, 5, [H - 1, H]))
+    judge(index, reporter(a, 8, [H - 1, H]))
     assert index.anomalies[("re_announced_confirmed", "A")] == 0
     assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY
 
@@ -197,3 +199,14 @@ def test_a_deployment_that_promises_no_full_report_mode_counts_such_a_store_as_a
     feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 15: [removed(H)]})
     assert index.anomalies[("re_announced_stores", "A")] == 0
     assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.RESIDENT_MISS
+
+
+def test_the_removal_of_a_copy_never_counted_makes_no_history_gap_for_earlier_lookups():
+    """Two removals after an uncounted store: the second is that copy's own (it was real after
+    all). It is counted, the mark stays, and no interval 'stored before our history' is made
+    of it -- which would turn every earlier lookup of the block into a gap."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 10: [removed(H)], 12: [removed(H)]})
+    assert index.anomalies[("uncounted_copies_removed", "A")] == 1
+    assert judge(index, request("A", a.ts(5) - 0.5)).label is Label.RESIDENT_MISS
+    assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY

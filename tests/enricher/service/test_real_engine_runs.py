@@ -68,13 +68,19 @@ def kvmiss_verdicts(live: list[dict], requests: list[dict], tmp_path: Path) -> l
     with RecordingWriter(recording) as writer:
         for m in live:
             writer.write(RecordedMessage(m["recv_ts"], WORKER, "sub", [base64.b64decode(f) for f in m["frames"]]))
-    index = index_from_recording(str(recording), [WorkerSpec(id=WORKER, endpoint="recorded")])
+    # The deployment's [history] kv_cache_report_mode: "incremental" when no request of the
+    # run used full report mode (its stores with no parent are then real copies).
+    index = index_from_recording(str(recording), [WorkerSpec(id=WORKER, endpoint="recorded")],
+                                 re_announcements=any(r.get("full_report") for r in requests))
     attributor = Attributor(index)
     verdicts = []
     for r in requests:
+        # (the request's report mode reaches kvmiss as the vLLM plugin's lookup span or the
+        # router that set vllm_xargs says it: `kvmiss.kv_cache_report_mode`)
         facts = RequestFacts(prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"],
                              block_size=r["block_size"], worker=r["worker"], lookup_time=r["lookup_time"],
-                             block_hashes=r["block_hashes"])
+                             block_hashes=r["block_hashes"],
+                             kv_cache_report_mode="full" if r.get("full_report") else None)
         verdict = attributor.attribute(facts)
         verdicts.append((verdict.label.value, verdict.reason or ""))
     return verdicts
