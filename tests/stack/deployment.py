@@ -158,8 +158,12 @@ class Deployment:
     """Starts the parts in dependency order; `close` stops whatever was started."""
 
     def __init__(self, workdir: Path, *, replicas: int = 2, listed: int | None = None, seed: int = 26,
-                 gateway_config: Path = COLLECTOR_EXAMPLES / "replicas.yaml", **replica_config_kwargs):
-        """``listed``: how many of the replicas the gateway's list names (default: all)."""
+                 gateway_config: Path = COLLECTOR_EXAMPLES / "replicas.yaml", split_tiers: bool = False,
+                 **replica_config_kwargs):
+        """``listed``: how many of the replicas the gateway's list names (default: all).
+        ``split_tiers``: two Collectors running the same file, one for tier 1 (the router sends
+        to it, it balances over the replicas) and one for tier 2 (the replicas export to it,
+        it samples): a change of the replica list then restarts only the first."""
         self.gateway_config = gateway_config
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
@@ -172,10 +176,18 @@ class Deployment:
             self.closers.append(self.engines.close)
             self.jaeger = Jaeger(workdir)
             self.closers.append(self.jaeger.kill)
-            self.ports = {name: free_port() for name in ("ingest_grpc", "ingest_http", "enriched", "sampler", "spanmetrics")}
+            names = ("ingest_grpc", "ingest_http", "enriched", "sampler", "spanmetrics")
+            self.ports = {name: free_port() for name in names}
+            # tier 2's ports: the same Collector's, or the second one's
+            self.tier2 = {name: free_port() for name in names} if split_tiers else self.ports
             streams = {w: self.engines.endpoints(w) for w in WORKERS}
-            self.replicas = [Replica(workdir, f"kvmiss-{i}", self.ports["enriched"], streams, **replica_config_kwargs)
+            self.replicas = [Replica(workdir, f"kvmiss-{i}", self.tier2["enriched"], streams, **replica_config_kwargs)
                              for i in range(replicas)]
+            if split_tiers:
+                sampler = Collector("otelcol-tier2", self.gateway_config, self.workdir,
+                                    self.gateway_env([r.grpc for r in self.replicas], self.tier2),
+                                    ready_port=self.tier2["enriched"])
+                self.closers.append(sampler.kill)
             self.gateway = self.start_gateway([r.grpc for r in self.replicas[:listed]])
             for replica in self.replicas:  # all subscribed before the engines' first batch
                 replica.start()
@@ -189,12 +201,12 @@ class Deployment:
             self.close()
             raise
 
-    def gateway_env(self, replica_ports: list[int]) -> dict[str, str]:
-        p = self.ports
+    def gateway_env(self, replica_ports: list[int], ports: dict[str, int] | None = None) -> dict[str, str]:
+        p = ports or self.ports
         return {"OTELCOL_INGEST_GRPC": f"127.0.0.1:{p['ingest_grpc']}", "OTELCOL_INGEST_HTTP": f"127.0.0.1:{p['ingest_http']}",
                 "OTELCOL_ENRICHED_GRPC": f"127.0.0.1:{p['enriched']}", "OTELCOL_SAMPLER_GRPC": f"127.0.0.1:{p['sampler']}",
                 "KVMISS_REPLICAS": "[" + ", ".join(f"127.0.0.1:{port}" for port in replica_ports) + "]",
-                "OTELCOL_GATEWAYS": f"[127.0.0.1:{p['sampler']}]",
+                "OTELCOL_GATEWAYS": f"[127.0.0.1:{self.tier2['sampler']}]",
                 "TRACE_BACKEND_OTLP_GRPC": f"127.0.0.1:{self.jaeger.otlp_port}",
                 "SPANMETRICS_PROMETHEUS": f"127.0.0.1:{p['spanmetrics']}"}
 
@@ -206,7 +218,7 @@ class Deployment:
 
     def start_prometheus(self) -> Prometheus:
         jobs = {"kvmiss": [f"127.0.0.1:{r.metrics}" for r in self.replicas],
-                "spanmetrics": [f"127.0.0.1:{self.ports['spanmetrics']}"]}
+                "spanmetrics": [f"127.0.0.1:{self.tier2['spanmetrics']}"]}
         self.prometheus = Prometheus(self.workdir, jobs)
         self.closers.append(self.prometheus.kill)
         wait_until(self.prometheus.targets_up, "Prometheus to scrape every target", 30)
@@ -255,7 +267,7 @@ class Deployment:
         return list(range(first, first + 20))
 
     def spanmetrics_text(self) -> str:
-        status, body = http_get(f"http://127.0.0.1:{self.ports['spanmetrics']}/metrics")
+        status, body = http_get(f"http://127.0.0.1:{self.tier2['spanmetrics']}/metrics")
         return body.decode() if status == 200 else ""
 
     def close(self) -> None:
