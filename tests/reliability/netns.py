@@ -31,6 +31,7 @@ import ctypes
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 from typing import Callable, Sequence, TypeVar
 
@@ -68,13 +69,19 @@ def unavailable() -> str | None:
 
 
 def _remove_stale() -> None:
-    """Namespaces left by a run that was SIGKILLed (its pid is gone): delete them."""
+    """Namespaces left by a run that was SIGKILLed (the pid in their name is gone): what that
+    run started inside them is stopped, and they are deleted."""
     listing = _run("ip", "netns", "list", check=False).stdout
     for line in listing.splitlines():
         name = line.split()[0] if line.split() else ""
         parts = name.split("-")
         if len(parts) == 4 and parts[0] == "kvmiss" and parts[1] == "nf" and parts[2].isdigit():
             if not os.path.exists(f"/proc/{parts[2]}"):
+                for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
                 _run("ip", "netns", "del", name, check=False)
 
 
