@@ -159,6 +159,9 @@ def test_decode_prints_one_json_object_per_input_line_and_never_raises(lines, ra
     printed = [json.loads(x) for x in out.getvalue().splitlines()]
     assert len(printed) == sum(1 for line in lines if line.strip())
     assert all(p["kind"] in ("live", "replay", "replay_end", "error") for p in printed)
+    if not printed:  # nothing but blank lines: the input is said to be empty (exit 2)
+        assert status == 2
+        return
     assert status == (1 if any(p["kind"] == "error" for p in printed) else 0)
     if not raw:
         for p in printed:
