@@ -35,27 +35,11 @@ from reliability_rig import (
     wait_applied,
     wait_until,
 )
-from test_fleet_file import BAND_S, POLL_S, FleetRig, run_traffic, start_kvmiss, verdicts
+from test_fleet_file import BAND_S, POLL_S, FleetRig, judge, run_traffic, start_kvmiss, verdicts
 from test_replicas import trace_request
 
-UNKNOWN_BUDGET = 0.02
 REPLICA_BAND_S = 0.4
 DNS_BAND_S = 0.4
-
-
-def judge(expected: dict[str, str], lookups: dict[str, float], labels: dict[str, list[str]],
-          since: float, reasons: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
-    """No wrong verdict, one per request; the requests looked up after ``since`` and those of
-    them unknown."""
-    assert all(len(v) == 1 for v in labels.values()) and set(labels) == set(expected)
-    wrong = {rid: (labels[rid][0], want, round(lookups[rid] - since, 3), (reasons or {}).get(rid))
-             for rid, want in expected.items() if labels[rid][0] not in (want, *UNKNOWN)}
-    assert not wrong, wrong
-    after = [rid for rid in expected if lookups[rid] > since]
-    unknown = [rid for rid in after if labels[rid][0] in UNKNOWN]
-    assert len(unknown) <= UNKNOWN_BUDGET * len(after), f"{len(unknown)} of {len(after)} unknown:\n" + "\n".join(
-        f"{rid} {lookups[rid] - since:+.3f} s truth {expected[rid]}: {(reasons or {}).get(rid)}" for rid in unknown)
-    return after, unknown
 
 
 def reasons(sink) -> dict[str, str]:

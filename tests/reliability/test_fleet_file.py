@@ -147,6 +147,21 @@ def run_traffic(fleet: FleetRig, kvmiss: Kvmiss, sender: Sender, rng: random.Ran
     return sent
 
 
+def judge(expected: dict[str, str], lookups: dict[str, float], labels: dict[str, list[str]],
+          since: float, reasons: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """No wrong verdict, one per request; the requests looked up after ``since`` and those of
+    them unknown."""
+    assert all(len(v) == 1 for v in labels.values()) and set(labels) == set(expected)
+    wrong = {rid: (labels[rid][0], want, round(lookups[rid] - since, 3), (reasons or {}).get(rid))
+             for rid, want in expected.items() if labels[rid][0] not in (want, *UNKNOWN)}
+    assert not wrong, wrong
+    after = [rid for rid in expected if lookups[rid] > since]
+    unknown = [rid for rid in after if labels[rid][0] in UNKNOWN]
+    assert len(unknown) <= UNKNOWN_BUDGET * len(after), f"{len(unknown)} of {len(after)} unknown:\n" + "\n".join(
+        f"{rid} {lookups[rid] - since:+.3f} s truth {expected[rid]}: {(reasons or {}).get(rid)}" for rid in unknown)
+    return after, unknown
+
+
 def verdicts(sink) -> dict[str, list[str]]:
     labels: dict[str, list[str]] = {}
     for span in sink.spans():
@@ -177,25 +192,18 @@ def test_scaling_4_to_8_to_3_engines_through_the_watched_file_while_traffic_flow
         fleet.start_engine(worker)
     first_change = fleet.write(["w0", "w1", "w2", "w3", "w4", "w5", "w6", "w7"])
     sent += run_traffic(fleet, kvmiss, sender, rng, universe, 30, expected, lookups)
-    down = fleet.write(["w0", "w5", "w6"])  # scale down: five leave (and drain)
+    fleet.write(["w0", "w5", "w6"])  # scale down: five leave (and drain)
     sent += run_traffic(fleet, kvmiss, sender, rng, universe, 70, expected, lookups)
 
     assert len(sender.acked) == sent
     sink.wait_for(sent, timeout=30)
     time.sleep(0.5)
     assert_exactly_once(sender.acked, sink)
-    labels = verdicts(sink)
-    assert all(len(v) == 1 for v in labels.values()) and set(labels) == set(expected)
-    wrong = {rid: (labels[rid][0], want) for rid, want in expected.items() if labels[rid][0] not in (want, *UNKNOWN)}
-    assert not wrong, wrong
     reasons = {attributes(s)["gen_ai.request.id"]: attributes(s).get("kvmiss.reason") for s in sink.spans()
                if "kvmiss.label" in attributes(s)}
-    after = [rid for rid in expected if lookups[rid] > first_change]
-    unknown = [rid for rid in after if labels[rid][0] in UNKNOWN]
+    after, unknown = judge(expected, lookups, verdicts(sink), first_change, reasons)
     truths = {expected[rid] for rid in after}
     assert {"routing_miss", "no_match", "resident_miss"} <= truths, truths
-    assert len(unknown) <= UNKNOWN_BUDGET * len(after), (len(unknown), len(after), [
-        (rid, round(lookups[rid] - down, 3), expected[rid], reasons.get(rid)) for rid in unknown])
 
     m = kvmiss.scrape()
     assert m.get("kvmiss_fleet_joins") == 8 and m.get("kvmiss_fleet_departures") == 5
@@ -238,11 +246,8 @@ def test_a_bad_fleet_file_during_traffic_is_refused_and_changes_nothing(rig):
     sink.wait_for(sent, timeout=30)
     time.sleep(0.5)
     assert_exactly_once(sender.acked, sink)
-    labels = verdicts(sink)
-    wrong = {rid: (labels[rid][0], want) for rid, want in expected.items() if labels[rid][0] not in (want, *UNKNOWN)}
-    assert not wrong, wrong
-    after = [rid for rid in expected if lookups[rid] > refused_at]
-    assert not [rid for rid in after if labels[rid][0] in UNKNOWN]  # nothing changed: nothing unsettled
+    _, unknown = judge(expected, lookups, verdicts(sink), refused_at)
+    assert not unknown  # nothing changed: nothing unsettled
     m = kvmiss.scrape()
     assert m.get("kvmiss_fleet_updates_refused") == 1  # once, not at every poll
     assert m.get("kvmiss_fleet_workers", state="following") == 3
