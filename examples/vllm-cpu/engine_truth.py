@@ -126,11 +126,15 @@ class Stream:
 
     def mark_re_announcements(self, lookups: list[Lookup], slack_s: float = SLACK_S) -> int:
         """Skip the full-report re-announcements: a parentless store of exactly
-        ``chain[:cached / B]`` of a full-report request in flight, every block of which its
-        group already holds when the event comes (in the engine's order: a block the request
-        hit was resident and pinned). A parentless store of blocks not all held is a real one
-        -- e.g. the first computation, in the same batch, of the blocks a concurrent repeat then
-        hit and re-announced."""
+        ``chain[:cached / B]`` of a full-report request in flight, every block of which the
+        request hit in its group is already held there when the event comes (in the engine's
+        order: a block the request hit was resident and pinned). A parentless store of blocks
+        not all held is a real one -- e.g. the first computation, in the same batch, of the
+        blocks a concurrent repeat then hit and re-announced. vLLM re-announces the whole
+        chain in every group (``KVCacheCoordinator.emit_cached_block_events``: one event per
+        group, ``len(group_blocks)`` hashes from block 0), but a sliding-window group hit only
+        the last ``cdiv(W - 1, B)`` of them (the rest are its null blocks): only those must be
+        held there."""
         wanted: dict[tuple, list[Lookup]] = collections.defaultdict(list)
         for lk in lookups:
             if lk.full_report and lk.cached >= self.block:
@@ -146,7 +150,9 @@ class Stream:
                         copies[(group_of(e), h)] = max(0, copies[(group_of(e), h)] - 1)
                 elif kind == "BlockStored":
                     hashes, g = hashes_of(e), group_of(e)
-                    if (_field(e, "parent_block_hash", 2) is None and all(copies[(g, h)] > 0 for h in hashes)
+                    need = self.groups[g].window_blocks(self.block) if g in self.groups else None
+                    hit = hashes[-need:] if need else hashes
+                    if (_field(e, "parent_block_hash", 2) is None and all(copies[(g, h)] > 0 for h in hit)
                             and any(lk.sent_at <= recv <= lk.done_at + slack_s for lk in wanted.get(tuple(hashes), ()))):
                         self.skipped.add((i, j))
                         continue

@@ -287,6 +287,8 @@ def send(port: int, request: Request, router: Router | None) -> None:
             "kvmiss.block_size": BLOCK,
             "kvmiss.block_hashes": [h - (1 << 64) if h >= 1 << 63 else h for h in chain],
         })
+        if request.full_report:  # the router set vllm_xargs, so it says so (tells re-announcements apart)
+            span.set_attribute("kvmiss.kv_cache_report_mode", "full")
         span.end()
 
 
@@ -370,11 +372,33 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+# kvmiss's own counters the summary reports (tests/enricher/service/test_metrics.py checks that
+# kvmiss declares each; `metric` refuses a name it does not).
+REPORTED_METRICS = (
+    "kvmiss_index_re_announced_stores_total", "kvmiss_index_re_announced_blocks_total",
+    "kvmiss_index_re_announced_confirmed_total", "kvmiss_index_uncounted_copies_removed_total",
+    "kvmiss_index_stale_partial_stores_total", "kvmiss_stream_gaps_total", "kvmiss_stream_batches_applied_total")
+
+
+class MissingMetric(LookupError):
+    """A metric the run reports is not on kvmiss's /metrics at all: a misspelt or renamed
+    name, which must never read as 0."""
+
+
 def metric(text: str, name: str) -> float:
-    total = 0.0
+    """The sum of ``name``'s samples on a Prometheus text page. A family that is declared
+    (``# TYPE``) with no sample yet (a labelled counter never incremented) is 0; a name the
+    page does not declare raises `MissingMetric`."""
+    total, found = 0.0, False
+    family = name.removesuffix("_total")
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
+            found = True
+        elif line.startswith("# TYPE ") and line.split()[2] in (name, family):
+            found = True
+    if not found:
+        raise MissingMetric(f"kvmiss's /metrics has no metric {name!r}")
     return total
 
 
@@ -583,8 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     collect_labels(requests, spans)
     read_request_records(requests, run_dir / "request-records.jsonl")
     extra["arch"], extra["in_flight"], extra["pool_blocks"] = args.arch, args.in_flight, args.pool_blocks
-    extra["kvmiss_metrics"] = {name: metric(metrics, name) for name in (
-        "kvmiss_re_announcements_total", "kvmiss_stream_gaps_total", "kvmiss_stream_batches_applied_total")}
+    extra["kvmiss_metrics"] = {name: metric(metrics, name) for name in REPORTED_METRICS}
     summary = summarise(requests, args.mode, args.pacing, extra)
     if args.capture_run is not None:
         write_run_capture(args.capture_run, recorder, requests, summary)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 from test_pipeline import Clock, Sink, evicted_history, export_request, router_span, engine_span
@@ -84,3 +86,29 @@ def test_re_announcements_and_stale_partial_stores_are_counted_per_worker():
     assert sample("kvmiss_index_re_announced_stores_total", {"worker": "A"}) == 1
     assert sample("kvmiss_index_re_announced_blocks_total", {"worker": "A"}) == 2
     assert sample("kvmiss_index_stale_partial_stores_total", {"worker": "A"}) == 1
+
+
+def test_every_metric_the_real_engine_run_reports_is_one_kvmiss_declares():
+    """examples/vllm-cpu/run_field.py once read a counter kvmiss never exported, and the
+    summary showed 0 re-announcements: its reader now refuses a name the page does not
+    declare, and every name it reports is on kvmiss's own page (a declared counter with no
+    sample yet reads 0)."""
+    import sys
+    from pathlib import Path
+
+    from prometheus_client import exposition
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "vllm-cpu"))
+    import run_field
+
+    index, _ = evicted_history()
+    registry = CollectorRegistry()
+    registry.register(KvmissCollector(Pipeline(Attributor(index), Sink(), clock=Clock()).stats,
+                                      lambda: {"A": WorkerStream("A", replay=True)},
+                                      index_anomalies=lambda: index.anomalies))
+    page = exposition.generate_latest(registry).decode()  # the format /metrics serves by default
+    values = {name: run_field.metric(page, name) for name in run_field.REPORTED_METRICS}
+    assert values["kvmiss_index_re_announced_confirmed_total"] == 0  # declared, never incremented
+    assert values["kvmiss_stream_batches_applied_total"] >= 0
+    with pytest.raises(run_field.MissingMetric, match="kvmiss_re_announcements_total"):
+        run_field.metric(page, "kvmiss_re_announcements_total")
