@@ -37,9 +37,13 @@ class RefusalReason(str, enum.Enum):
 
 
 class Desired(msgspec.Struct, frozen=True):
-    """The whole set of workers a source wants now."""
+    """The whole set of workers a source wants now. ``at``: when the source's answer says
+    the fleet became this (kvmiss's wall clock, seconds), if it knows better than the moment
+    the answer is taken -- a busy event loop takes it late, and a change stamped late leaves
+    lookups between the router's switch and the band's start judged on the old fleet."""
 
     specs: tuple[WorkerSpec, ...]
+    at: float | None = None
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -138,7 +142,8 @@ class FileSource:
         except UnicodeDecodeError:
             return Refusal(RefusalReason.NOT_TOML, f"{self.path}: not valid TOML: not UTF-8")
         try:
-            return Desired(tuple(parse_fleet_file(text, source=self.path)))
+            # Stamped with the file's modification time: when the writer wrote this fleet.
+            return Desired(tuple(parse_fleet_file(text, source=self.path)), at=st.st_mtime_ns / 1e9)
         except ConfigError as exc:
             return Refusal(RefusalReason(exc.reason), str(exc))
 

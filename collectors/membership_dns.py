@@ -82,7 +82,10 @@ class DnsMembership:
         self._task: asyncio.Task | None = None  # the resolution out, if one is
         self._next = float("-inf")  # when the next one is due (time.monotonic)
         self._first = True
-        self._unfit: set[str] = set()  # addresses whose id [fleet.topics] cannot read (logged)
+        self._unfit: set[str] = set()
+        # The start (wall clock) of the last resolution answered (addresses or none): the name's
+        # changes are seen through then. A failure moves nothing.
+        self.known_through = float("-inf")  # addresses whose id [fleet.topics] cannot read (logged)
 
     # --- pure ------------------------------------------------------------------------------
 
@@ -178,15 +181,22 @@ class DnsMembership:
         now = time.monotonic()
         if self._task is None and now >= self._next:
             self._next = now + self.config.interval_s
-            self._task = asyncio.get_running_loop().create_task(self.resolve(), name="kvmiss-fleet-dns")
+            self._task = asyncio.get_running_loop().create_task(self._timed_resolve(), name="kvmiss-fleet-dns")
             if self._first:
                 self._first = False
                 await asyncio.wait([self._task])
         if self._task is None or not self._task.done():
             return None
-        answer, self._task = self._task.result(), None
+        (started, answer), self._task = self._task.result(), None
+        if answer.outcome is not Outcome.FAILED:
+            self.known_through = started
         specs = self.update(answer, time.monotonic())
-        return None if specs is None else Desired(specs)
+        # Stamped with the start of the resolution that saw it: the name answered so then.
+        return None if specs is None else Desired(specs, at=started)
+
+    async def _timed_resolve(self) -> tuple[float, DnsAnswer]:
+        started = time.time()
+        return started, await self.resolve()
 
     def close(self) -> None:
         if self._task is not None:

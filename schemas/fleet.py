@@ -2,9 +2,11 @@
 membership sources (collectors: a watched file, DNS, publishers that connect out) and the
 proof rules that use it (enricher/core: who could have held a block at a lookup time).
 
-A source never says *when* the router stopped choosing a worker; it says when kvmiss
-learned of it. ``at`` is therefore kvmiss's wall clock at the moment the change was
-observed (seconds), and the proof rules treat a band around it as uncertain
+A source never says *when* the router stopped choosing a worker; at best it says when it
+changed its own answer. ``at`` is kvmiss's wall clock (seconds) at that moment where the
+source knows it (a fleet file's modification time, the start of the DNS resolution that saw
+the change), else when kvmiss observed the change, and the proof rules treat a band around
+it as uncertain
 (docs/HISTORY.md, "Fleets that change").
 """
 

@@ -73,11 +73,19 @@ class FleetWatch:
         self.clock = clock
         self.stats = stats if stats is not None else FleetStats()
         self._task: asyncio.Task | None = None
+        self._known_through = float("-inf")  # see `known_through`
         self._failing: set[str] = set()  # sources whose last poll raised
+
+    def known_through(self) -> float:
+        """The time (this clock) up to which every source's changes have been seen: the start
+        of the last complete round of polls, or earlier where a source says its answer is
+        older (`known_through` of a source: DNS, the start of its last answered resolution)."""
+        return self._known_through
 
     async def poll_once(self) -> list[FleetChange]:
         """Ask every source once; apply and return the changes that were made."""
-        changes = []
+        started = self.clock()
+        changes, answered = [], True
         for source in self.sources:
             try:
                 answer = await source.poll()
@@ -86,6 +94,7 @@ class FleetWatch:
                     self._failing.add(source.name)
                     log.exception("fleet %s: polling %s failed (%s); its last good fleet stays",
                                   source.name, source.where, type(exc).__name__)
+                answered = False
                 continue
             if source.name in self._failing:
                 self._failing.discard(source.name)
@@ -93,7 +102,7 @@ class FleetWatch:
             if answer is None:
                 continue
             if isinstance(answer, Desired):
-                answer = self.members.propose(source.name, answer, self.clock())
+                answer = self.members.propose(source.name, answer, self.clock() if answer.at is None else answer.at)
             if isinstance(answer, Refusal):
                 self.stats.refused[(source.name, answer.reason.value)] += 1
                 kept = len(self.members.by_source.get(source.name, {}))
@@ -103,6 +112,8 @@ class FleetWatch:
             if not answer.empty:
                 self.apply(answer)
                 changes.append(answer)
+        if answered:  # (a source that raised has told nothing new)
+            self._known_through = min([started, *(getattr(s, "known_through", started) for s in self.sources)])
         return changes
 
     def start(self) -> None:

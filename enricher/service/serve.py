@@ -167,7 +167,8 @@ class Service:
             max_pending_spans=config.otlp.max_pending_spans,
             keep_block_hashes=config.export.keep_block_hashes,
             on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True,
-            pool_blocks={w.id: w.pool_blocks for w in config.workers})
+            pool_blocks={w.id: w.pool_blocks for w in config.workers},
+            membership_known_through=self.fleet_watch.known_through if sources else None)
         if not WIRE_SCAN:
             log.warning("!!! OTLP requests are read and written through parsed messages only: "
                         "enricher/otlp/_otlpwire.c was not built (no C compiler at install time, or "

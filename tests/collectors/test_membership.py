@@ -178,3 +178,16 @@ def test_build_sources_follows_the_fleet_section(tmp_path):
     assert build_sources(FleetConfig()) == []
     (source,) = build_sources(FleetConfig(file=str(tmp_path / "f.toml")))
     assert (source.name, source.where) == ("file", str(tmp_path / "f.toml"))
+
+
+def test_a_fleet_from_the_file_is_stamped_with_when_it_was_written(tmp_path):
+    """Not when kvmiss got round to reading it: a busy event loop reads it late, and the
+    lookups between the router's switch and a late stamp would be judged on the old fleet."""
+    path = tmp_path / "fleet.toml"
+    path.write_text('[[workers]]\nid = "a"\nendpoint = "tcp://127.0.0.1:5557"\n')
+    written = 1_700_000_000.25
+    os.utime(path, ns=(int(written * 1e9), int(written * 1e9)))
+    answer = asyncio.run(FileSource(str(path)).poll())
+    assert answer.at == pytest.approx(written, abs=1e-6)
+    change = FleetMembers().propose("file", answer, answer.at)
+    assert change.at == answer.at

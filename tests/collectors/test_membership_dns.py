@@ -137,7 +137,9 @@ def test_poll_starts_a_resolution_and_answers_at_a_later_poll_never_waiting_afte
     m = DnsMembership(dns_config(server, interval_s=0.2, timeout_s=0.5))
 
     async def scenario():
+        before = time.time()
         first = await m.poll()  # the first waits for its answer
+        assert before <= first.at <= time.time()  # stamped when the resolution that saw it began
         server.set(NAME, ["127.0.0.2", "127.0.0.3"])
         server.pause()  # the next resolution will time out: polls meanwhile return at once
         slowest, answers, t_end = 0.0, [], time.monotonic() + 1.0

@@ -65,7 +65,7 @@ def test_a_rolling_replacement_of_every_engine_with_new_ids_and_ports(rig):
     kvmiss = start_kvmiss(rig, fleet.path, sink.port)
     sender = Sender(kvmiss.http_port)
     wait_until(lambda: (fleet.mark(), kvmiss.ready())[1], "kvmiss /readyz", interval=0.1)
-    universe = list(range(8000, 8048))
+    universe = list(range(8000, 8096))
     expected: dict[str, str] = {}
     lookups: dict[str, float] = {}
     sent = run_traffic(fleet, kvmiss, sender, rng, universe, 8, expected, lookups)
@@ -192,7 +192,7 @@ def test_two_replicas_following_the_same_file_agree_beyond_honest_unknowns(rig):
     both = BothReplicas(senders)
     for replica in replicas:
         wait_until(lambda: (fleet.mark(), replica.ready())[1], "kvmiss /readyz", interval=0.1)
-    universe = list(range(10000, 10040))
+    universe = list(range(10000, 10080))
     expected: dict[str, str] = {}
     lookups: dict[str, float] = {}
     sent = run_traffic(fleet, replicas[1], both, rng, universe, 6, expected, lookups)
@@ -272,7 +272,7 @@ def test_a_fleet_found_by_dns_grows_and_shrinks_with_the_names_answers(rig):
     rig.kvmiss = kvmiss
     sender = Sender(kvmiss.http_port)
     wait_until(lambda: (fleet.mark(), kvmiss.ready())[1], "kvmiss /readyz", interval=0.1)
-    universe = list(range(11000, 11060))
+    universe = list(range(11000, 11096))
     expected: dict[str, str] = {}
     lookups: dict[str, float] = {}
     sent = run_traffic(fleet, kvmiss, sender, rng, universe, 6, expected, lookups)
