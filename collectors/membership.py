@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 from typing import Iterable, Mapping, Protocol
 
 import msgspec
@@ -114,15 +115,24 @@ class FileSource:
     """``[fleet] file``: a TOML file of ``[[workers]]`` tables, re-read when its identity
     changes -- device, inode, size, mtime or ctime. Writers replace it by rename (a new
     inode; a Kubernetes ConfigMap volume swaps a symlink, which `os.stat` follows), so a
-    half-written file is never read; one rewritten in place is read again once it settles."""
+    half-written file is never read; one rewritten in place is read again once it settles.
+
+    A fleet read is stamped with the file's status-change time (ctime): when the rename (or
+    write) made it visible. Unlike the modification time, no writer can set it, so a copy
+    that keeps an old mtime (``cp -p``, ``rsync -t``) does not move the change into the past.
+    The stamp is kept within [the previous poll, now]: the previous poll still saw the old
+    file, and a network file system's clock may be ahead of kvmiss's."""
 
     name = "file"
 
     def __init__(self, path: str):
         self.where = self.path = path
         self._seen: tuple | None = None  # the identity of what was last read, or an error's
+        self._polled = float("-inf")  # when (wall clock) the previous poll began
 
     async def poll(self) -> Desired | Refusal | None:
+        now, previous = time.time(), self._polled
+        self._polled = now
         try:
             with open(self.path, "rb") as file:
                 # The identity of what is read, not of whatever is at the path a moment later.
@@ -142,10 +152,10 @@ class FileSource:
         except UnicodeDecodeError:
             return Refusal(RefusalReason.NOT_TOML, f"{self.path}: not valid TOML: not UTF-8")
         try:
-            # Stamped with the file's modification time: when the writer wrote this fleet.
-            return Desired(tuple(parse_fleet_file(text, source=self.path)), at=st.st_mtime_ns / 1e9)
+            specs = tuple(parse_fleet_file(text, source=self.path))
         except ConfigError as exc:
             return Refusal(RefusalReason(exc.reason), str(exc))
+        return Desired(specs, at=min(max(st.st_ctime_ns / 1e9, previous), now))
 
     def _once(self, seen: tuple, refusal: Refusal) -> Refusal | None:
         if seen == self._seen:

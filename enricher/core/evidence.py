@@ -374,8 +374,9 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
     unsettled: list[str] = []
     margin, membership = index.tail_margin_s, index.membership
     changed = membership.spans or membership.released  # else every worker is a member at every t
+    unseen = t + membership.band_s > membership.known_through  # a change near t may not be seen yet
     for worker in fleet.others(chosen, key, t):
-        if changed and (worker in membership.spans or worker in membership.released):
+        if unseen or (changed and (worker in membership.spans or worker in membership.released)):
             found = _other_worker(index, worker, key, t, margin)
         else:
             found = _member_worker(index, worker, key, t, margin)

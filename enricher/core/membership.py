@@ -21,6 +21,13 @@ cover the source's delay and the engines' clock skew). At a lookup time t a work
     ``UNSETTLED``, it neither proves ``routing_miss`` nor is ruled out without proof of
     absence (a block it held then would mean the router was choosing it already).
 
+A source may also have said nothing yet about a lookup time: a change the router made at t
+is seen by kvmiss up to a band later, so until the sources have been asked a band after t
+(``known_through``, set by whoever polls them), every worker not clearly outside its spans is
+``UNSETTLED`` at t -- it may have departed, or come back, unseen. The service waits for that
+before judging; the rule keeps a verdict given anyway (its wait ran out while a source was
+failing) honest.
+
 docs/HISTORY.md, "Fleets that change", states the rules and their tests. Pure: no clocks,
 times are arguments.
 """
@@ -70,10 +77,23 @@ class Membership:
         self.specs: dict[str, WorkerSpec] = {}  # members' specs, as the sources gave them
         self.departed: dict[str, float] = {}  # not a member now -> when it left (kvmiss clock)
         self.released: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # Every source's changes made before this time (kvmiss clock) have been seen: +inf for
+        # a fleet no source watches; a service polling sources starts it at -inf (`watched`).
+        self.known_through = INF
         self.joins = 0
         self.departures = 0
 
     # --- changes ---------------------------------------------------------------------------
+
+    def watched(self) -> None:
+        """Sources will tell changes from now on: nothing is known about them yet."""
+        self.dynamic = True
+        self.known_through = -INF
+
+    def seen_through(self, at: float) -> None:
+        """Every source has been asked since ``at``: changes made before it are known."""
+        if at > self.known_through:
+            self.known_through = at
 
     def has_span(self, worker: str) -> bool:
         """Whether a change has given ``worker`` a membership span."""
@@ -148,17 +168,21 @@ class Membership:
         """The worker's place in the fleet at lookup time ``t`` (see the module docstring)."""
         spans = self.spans.get(worker)
         if spans is None:
+            if t + self.band_s > self.known_through:  # (False for NaN: placed as before)
+                return Standing.UNSETTLED
             return Standing.DEPARTED if worker in self.released else Standing.MEMBER
         if t != t:  # NaN: nothing can be placed
             return Standing.UNSETTLED
         band, later_join = self.band_s, False
         for joined, departed in spans:
             if joined + band < t < departed - band:
-                return Standing.MEMBER
+                return Standing.MEMBER if t + band <= self.known_through else Standing.UNSETTLED
             if joined - band <= t <= joined + band or departed - band <= t <= departed + band:
                 return Standing.UNSETTLED
             later_join = later_join or joined > t
-        return Standing.NOT_YET if later_join else Standing.DEPARTED
+        if later_join:
+            return Standing.NOT_YET
+        return Standing.DEPARTED if t + band <= self.known_through else Standing.UNSETTLED
 
     def departed_until(self, worker: str) -> float | None:
         """For a worker departed now: the last lookup time at which it may still count (its

@@ -65,7 +65,7 @@ class FleetWatch:
 
     def __init__(self, sources: list[MembershipSource], members: FleetMembers,
                  apply: Callable[[FleetChange], None], *, interval_s: float, clock: Callable[[], float],
-                 stats: FleetStats | None = None):
+                 stats: FleetStats | None = None, seen_through: Callable[[float], None] | None = None):
         self.sources = sources
         self.members = members
         self.apply = apply
@@ -74,6 +74,7 @@ class FleetWatch:
         self.stats = stats if stats is not None else FleetStats()
         self._task: asyncio.Task | None = None
         self._known_through = float("-inf")  # see `known_through`
+        self.seen_through = seen_through  # told each new `known_through` (the index's membership)
         self._failing: set[str] = set()  # sources whose last poll raised
 
     def known_through(self) -> float:
@@ -114,6 +115,8 @@ class FleetWatch:
                 changes.append(answer)
         if answered:  # (a source that raised has told nothing new)
             self._known_through = min([started, *(getattr(s, "known_through", started) for s in self.sources)])
+            if self.seen_through is not None:
+                self.seen_through(self._known_through)
         return changes
 
     def start(self) -> None:

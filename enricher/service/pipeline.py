@@ -150,12 +150,8 @@ class Pipeline:
         judge_on_arrival: bool = False,
         unsubscribed_keep_s: float = 600.0,
         pool_blocks: dict[str, int] | None = None,
-        membership_known_through: Callable[[], float] | None = None,
     ):
         self.attributor = attributor
-        # With membership sources: the time (kvmiss's clock) up to which every source's changes
-        # have been seen (`FleetWatch.known_through`); None for a static fleet.
-        self.membership_known_through = membership_known_through
         self.sink = sink
         self.reader = reader or SpanReader()
         self.hasher = hasher
@@ -446,8 +442,7 @@ class Pipeline:
         views = index.views(facts.worker) if facts.worker else []
         if not views or t is None or not index.reaches(views[0], t):
             return False
-        known = self.membership_known_through
-        if known is not None and known() < t + index.membership.band_s:
+        if index.membership.known_through < t + index.membership.band_s:
             # A change the router made before t is seen at most a band late: until the sources
             # were asked that long after t, the fleet at t may not be the one kvmiss holds.
             return False

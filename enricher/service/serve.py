@@ -110,6 +110,8 @@ class Service:
                                     tail_margin_s=history.clock_skew_s + history.publish_delay_s,
                                     membership_uncertainty_s=config.fleet.membership_uncertainty_s,
                                     dynamic_membership=bool(sources))
+        if sources:
+            self.index.membership.watched()  # changes known only as far as the sources were asked
         self.digest_key = self._digest_key()
         # The bound each worker's receive lag must keep for its timing to be trusted (see
         # `ClockOffset`): -skew .. skew + publish delay.
@@ -143,7 +145,8 @@ class Service:
         self.fleet_stats = FleetStats()
         self.fleet_watch = FleetWatch(sources, FleetMembers(config.workers),
                                       self.apply_fleet_change, interval_s=config.fleet.poll_interval_s,
-                                      clock=clock, stats=self.fleet_stats)
+                                      clock=clock, stats=self.fleet_stats,
+                                      seen_through=self.index.membership.seen_through)
         started = clock()
         self._member_since: dict[str, float] = {w.id: started for w in config.workers}  # loop thread
         self._departed: dict[str, float] = {}  # departed worker -> when, until retention passes
@@ -167,8 +170,7 @@ class Service:
             max_pending_spans=config.otlp.max_pending_spans,
             keep_block_hashes=config.export.keep_block_hashes,
             on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True,
-            pool_blocks={w.id: w.pool_blocks for w in config.workers},
-            membership_known_through=self.fleet_watch.known_through if sources else None)
+            pool_blocks={w.id: w.pool_blocks for w in config.workers})
         if not WIRE_SCAN:
             log.warning("!!! OTLP requests are read and written through parsed messages only: "
                         "enricher/otlp/_otlpwire.c was not built (no C compiler at install time, or "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -180,14 +181,29 @@ def test_build_sources_follows_the_fleet_section(tmp_path):
     assert (source.name, source.where) == ("file", str(tmp_path / "f.toml"))
 
 
-def test_a_fleet_from_the_file_is_stamped_with_when_it_was_written(tmp_path):
-    """Not when kvmiss got round to reading it: a busy event loop reads it late, and the
-    lookups between the router's switch and a late stamp would be judged on the old fleet."""
+def test_a_fleet_from_the_file_is_stamped_with_when_it_became_visible(tmp_path):
+    """Not when kvmiss got round to reading it (a busy event loop reads it late, and the
+    lookups between the router's switch and a late stamp would be judged on the old fleet),
+    and not with a modification time a copy kept (``cp -p``): with the file's ctime, held
+    between the previous poll, which still saw the old file, and now."""
     path = tmp_path / "fleet.toml"
+    source = FileSource(str(path))
     path.write_text('[[workers]]\nid = "a"\nendpoint = "tcp://127.0.0.1:5557"\n')
-    written = 1_700_000_000.25
-    os.utime(path, ns=(int(written * 1e9), int(written * 1e9)))
-    answer = asyncio.run(FileSource(str(path)).poll())
-    assert answer.at == pytest.approx(written, abs=1e-6)
+    first = asyncio.run(source.poll())
+    assert first.at == pytest.approx(os.stat(path).st_ctime_ns / 1e9, abs=1e-6)
+    assert first.at <= time.time()
+
+    time.sleep(0.05)
+    polled = time.time()
+    assert asyncio.run(source.poll()) is None  # unchanged: this poll still saw the old file
+    time.sleep(0.05)
+    tmp = tmp_path / "fleet.toml.tmp"
+    tmp.write_text('[[workers]]\nid = "b"\nendpoint = "tcp://127.0.0.1:5558"\n')
+    day_ago = int((time.time() - 86400) * 1e9)
+    os.utime(tmp, ns=(day_ago, day_ago))  # as cp -p or rsync -t leave it
+    os.rename(tmp, path)
+    renamed = time.time()
+    answer = asyncio.run(source.poll())
+    assert polled <= answer.at <= renamed + 0.01, (polled, answer.at, renamed)
     change = FleetMembers().propose("file", answer, answer.at)
     assert change.at == answer.at

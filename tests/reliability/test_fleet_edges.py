@@ -38,7 +38,7 @@ from reliability_rig import (
 from test_fleet_file import BAND_S, POLL_S, FleetRig, judge, run_traffic, start_kvmiss, verdicts
 from test_replicas import trace_request
 
-REPLICA_BAND_S = 0.4
+REPLICA_BAND_S = 0.15
 DNS_BAND_S = 0.4
 
 
@@ -168,11 +168,13 @@ class BothReplicas:
 
 def test_two_replicas_following_the_same_file_agree_beyond_honest_unknowns(rig):
     """Two ``kvmiss serve`` processes poll the file on their own schedules (0.05 s and 0.15 s:
-    they see each change up to 0.15 s apart) and judge the same requests through scale-up,
-    scale-down and a replacement. The band (0.4 s) covers the slower poll and the time a
-    loaded machine takes to apply a change: with a band of 0.25 s, only 0.05 s above a
-    0.2 s poll, one replica here once called a miss a routing miss on a worker the router
-    had already stopped choosing (docs/FLEET.md, "The band")."""
+    they read each change up to 0.15 s apart) and judge the same requests through scale-up,
+    scale-down and a replacement. Both stamp a change with the file's ctime, and judge a
+    request only once a poll begun a band after its lookup has run, so the band needs to
+    cover no more than the slower poll (0.15 s, the least the config allows). Before those
+    two rules, with a band 0.05 s above a 0.2 s poll, one replica at a load average above 20
+    once called a miss a routing miss on a worker the router had already stopped choosing
+    (docs/FLEET.md, "Sizing the band")."""
     rng = random.Random(243)
     fleet = FleetRig(rig, str(rig.tmp_path / "fleet.toml"), Truth())
     for worker in ("w0", "w1", "w2"):

@@ -73,6 +73,25 @@ class TestStanding:
         assert m.depart("A", 1.0) and not m.depart("A", 2.0)
         assert m.departed == {"A": 1.0} and m.departures == 1
 
+    def test_beyond_what_the_sources_were_asked_no_member_or_departure_is_settled(self):
+        """Watched sources tell a change up to a band late: at a lookup time t with t + band
+        past `known_through`, a member may have left unseen and a departed worker may be back."""
+        m = Membership(["A"], band_s=BAND)
+        m.join(spec("C"), 10.0)
+        m.join(spec("D"), 10.0)
+        m.depart("D", 50.0)
+        settled = [m.standing(w, 80.0) for w in "ACD"]
+        assert settled == [Standing.MEMBER, Standing.MEMBER, Standing.DEPARTED]  # no source watched
+        m.watched()
+        assert [m.standing(w, 80.0) for w in "ACD"] == [Standing.UNSETTLED] * 3
+        m.seen_through(81.9)
+        assert [m.standing(w, 80.0) for w in "ACD"] == [Standing.UNSETTLED] * 3  # not a band after
+        m.seen_through(82.0)
+        assert [m.standing(w, 80.0) for w in "ACD"] == settled
+        m.seen_through(70.0)  # an older answer moves nothing back
+        assert m.known_through == 82.0
+        assert m.standing("C", 5.0) is Standing.NOT_YET  # a later join is still a later join
+
     def test_a_nan_lookup_time_cannot_be_placed(self):
         m = Membership(["A"], band_s=BAND)
         m.depart("A", 10.0)

@@ -121,34 +121,48 @@ def test_a_joiner_whose_history_never_begins_is_waited_for_no_longer_than_the_wa
     assert out["kvmiss.label"] == "unknown_history" and out["kvmiss.history"] == "lagging", out
 
 
-def b_holds_h_and_departs_unseen(known_through: list[float] | None):
+def b_holds_h_and_departs_unseen(watched: bool):
     """A and B followed through 1030; B stored H at 1005. The router stops choosing B at 1020
-    (its departure is written then); a request on A looks up H at 1020.5."""
+    (its departure is written then); a request on A looks up H at 1020.5. ``watched``: the
+    fleet's sources are polled (known through 1020.2 so far), else nothing says how far."""
     index = ResidencyIndex(["A", "B"], dynamic_membership=True)
+    if watched:
+        index.membership.watched()
+        index.membership.seen_through(1020.2)  # the sources were last asked before the departure
     for feed, events in ((WorkerFeed("A", ts0=1000.0), {}), (WorkerFeed("B", ts0=1000.0), {5: [stored(H)]})):
         for batch in feed.batches(range(0, 31), events):
             index.apply(batch)
     clock = Clock(0.0)
-    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0,
-                      membership_known_through=None if known_through is None else lambda: known_through[0])
+    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0)
     asyncio.run(pipe.consume(export_request(miss("A", "on-a", t=1020.5, block=H - 2**64))))
-    return index, pipe, sink
+    return index, pipe, sink, clock
 
 
 def test_a_request_waits_until_the_sources_were_asked_a_band_after_its_lookup():
     """Without the wait, the request is judged before the departure is seen, on a fleet in
     which B is still a member: a routing miss on a worker the router could no longer choose."""
-    _, pipe, sink = b_holds_h_and_departs_unseen(None)
+    _, pipe, sink, _ = b_holds_h_and_departs_unseen(False)
     pipe.poll()
     assert attrs(sink.spans()[0])["kvmiss.label"] == "routing_miss"  # what the wait prevents
 
-    known = [1020.2]  # the sources were last asked before the departure was seen
-    index, pipe, sink = b_holds_h_and_departs_unseen(known)
+    index, pipe, sink, _ = b_holds_h_and_departs_unseen(True)
     assert pipe.poll() == 0 and sink.spans() == []  # not known through t + band: waiting
     index.apply_fleet_change(FleetChange(at=1020.0, source="file", departed=("B",)))
-    known[0] = 1022.4  # asked again, not yet a band (2 s) after t
+    index.membership.seen_through(1022.4)  # asked again, not yet a band (2 s) after t
     assert pipe.poll() == 0
-    known[0] = 1022.6
+    index.membership.seen_through(1022.6)
     assert pipe.poll() == 1
     out = attrs(sink.spans()[0])  # B left 0.5 s before t, inside the band, holding H: unsettled
+    assert out["kvmiss.label"] == "unknown_history" and "not settled" in out["kvmiss.reason"], out
+
+
+def test_a_request_whose_wait_runs_out_before_the_sources_answer_is_not_judged_on_the_old_fleet():
+    """The file cannot be read (or DNS does not answer) from before the departure on: the
+    wait runs out with the fleet at t unknown. B, which held H, may have left unseen: not a
+    routing miss, an honest unknown naming the membership."""
+    _, pipe, sink, clock = b_holds_h_and_departs_unseen(True)
+    assert pipe.poll() == 0
+    clock.t = 5.1  # the wait (5 s) is over; the sources still have not answered
+    assert pipe.poll() == 1
+    out = attrs(sink.spans()[0])
     assert out["kvmiss.label"] == "unknown_history" and "not settled" in out["kvmiss.reason"], out
