@@ -38,13 +38,15 @@ class RefusalReason(str, enum.Enum):
 
 
 class Desired(msgspec.Struct, frozen=True):
-    """The whole set of workers a source wants now. ``at``: when the source's answer says
-    the fleet became this (kvmiss's wall clock, seconds), if it knows better than the moment
-    the answer is taken -- a busy event loop takes it late, and a change stamped late leaves
-    lookups between the router's switch and the band's start judged on the old fleet."""
+    """The whole set of workers a source wants now. ``at``: by when the fleet became this
+    (kvmiss's wall clock, seconds), and ``since``: after when (its previous answer, which did
+    not show it), where the source knows better than the poll that takes the answer -- a busy
+    event loop takes it late, and a change stamped late leaves lookups between the router's
+    switch and the band's start judged on the old fleet. None: the poll's own times."""
 
     specs: tuple[WorkerSpec, ...]
     at: float | None = None
+    since: float | None = None
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -70,13 +72,13 @@ class MembershipSource(Protocol):
 
 
 def diff_fleet(current: Mapping[str, WorkerSpec], desired: Iterable[WorkerSpec], *,
-               at: float, source: str) -> FleetChange:
+               at: float, source: str, since: float | None = None) -> FleetChange:
     """What turns ``current`` (id -> spec) into ``desired``. A spec that changed under the
     same id (a new endpoint: another process) departs and joins again: a new stream."""
     wanted = {spec.id: spec for spec in desired}
     departed = tuple(sorted(i for i, spec in current.items() if wanted.get(i) != spec))
     joined = tuple(spec for i, spec in sorted(wanted.items()) if current.get(i) != spec)
-    return FleetChange(at=at, source=source, joined=joined, departed=departed)
+    return FleetChange(at=at, since=since, source=source, joined=joined, departed=departed)
 
 
 class FleetMembers:
@@ -88,7 +90,8 @@ class FleetMembers:
     def members(self) -> dict[str, WorkerSpec]:
         return {i: spec for specs in self.by_source.values() for i, spec in specs.items()}
 
-    def propose(self, source: str, desired: Desired, at: float) -> FleetChange | Refusal:
+    def propose(self, source: str, desired: Desired, at: float,
+                since: float | None = None) -> FleetChange | Refusal:
         """Take ``source``'s new set if it keeps the fleet's rules: the change it makes (maybe
         empty), or a refusal that leaves everything as it was."""
         others = [spec for name, specs in self.by_source.items() if name != source for spec in specs.values()]
@@ -106,7 +109,7 @@ class FleetMembers:
             return Refusal(RefusalReason.ID_CLASH, f"{source}: a worker subscribes to the endpoint, rank and "
                                                    "topic of a worker another source lists")
         current = self.by_source.get(source, {})
-        change = diff_fleet(current, desired.specs, at=at, source=source)
+        change = diff_fleet(current, desired.specs, at=at, source=source, since=since)
         self.by_source[source] = {spec.id: spec for spec in desired.specs}
         return change
 
@@ -155,7 +158,8 @@ class FileSource:
             specs = tuple(parse_fleet_file(text, source=self.path))
         except ConfigError as exc:
             return Refusal(RefusalReason(exc.reason), str(exc))
-        return Desired(specs, at=min(max(st.st_ctime_ns / 1e9, previous), now))
+        at = min(max(st.st_ctime_ns / 1e9, previous), now)
+        return Desired(specs, at=at, since=at)
 
     def _once(self, seen: tuple, refusal: Refusal) -> Refusal | None:
         if seen == self._seen:

@@ -82,10 +82,13 @@ class DnsMembership:
         self._task: asyncio.Task | None = None  # the resolution out, if one is
         self._next = float("-inf")  # when the next one is due (time.monotonic)
         self._first = True
-        self._unfit: set[str] = set()
+        self._unfit: set[str] = set()  # addresses whose id [fleet.topics] cannot read (logged)
         # The start (wall clock) of the last resolution answered (addresses or none): the name's
         # changes are seen through then. A failure moves nothing.
-        self.known_through = float("-inf")  # addresses whose id [fleet.topics] cannot read (logged)
+        self.known_through = float("-inf")
+        # The start of the last resolution whose answer stood for `members`: a change of them
+        # was made after it.
+        self._shown_since: float | None = None
 
     # --- pure ------------------------------------------------------------------------------
 
@@ -187,16 +190,23 @@ class DnsMembership:
                 await asyncio.wait([self._task])
         if self._task is None or not self._task.done():
             return None
-        (started, answer), self._task = self._task.result(), None
-        if answer.outcome is not Outcome.FAILED:
-            self.known_through = started
+        (started, answered, answer), self._task = self._task.result(), None
+        if answer.outcome is Outcome.FAILED:
+            self.update(answer, time.monotonic())
+            return None
+        self.known_through = started
         specs = self.update(answer, time.monotonic())
-        # Stamped with the start of the resolution that saw it: the name answered so then.
-        return None if specs is None else Desired(specs, at=started)
+        # A change was made after the last answer that still showed the old members, and by
+        # the end of the one that shows it (the server answered so then).
+        since = self._shown_since
+        if answer.outcome is Outcome.ADDRESSES or not self.members:  # (an empty one in grace does not)
+            self._shown_since = started
+        return None if specs is None else Desired(specs, at=answered, since=since)
 
-    async def _timed_resolve(self) -> tuple[float, DnsAnswer]:
+    async def _timed_resolve(self) -> tuple[float, float, DnsAnswer]:
         started = time.time()
-        return started, await self.resolve()
+        answer = await self.resolve()
+        return started, time.time(), answer
 
     def close(self) -> None:
         if self._task is not None:

@@ -3,11 +3,11 @@ membership sources (collectors: a watched file, DNS, publishers that connect out
 proof rules that use it (enricher/core: who could have held a block at a lookup time).
 
 A source never says *when* the router stopped choosing a worker; at best it says when it
-changed its own answer. ``at`` is kvmiss's wall clock (seconds) at that moment where the
-source knows it (a fleet file's modification time, the start of the DNS resolution that saw
-the change), else when kvmiss observed the change, and the proof rules treat a band around
-it as uncertain
-(docs/HISTORY.md, "Fleets that change").
+changed its own answer. A change was made in (``since``, ``at``] on kvmiss's wall clock
+(seconds): ``at`` where the source knows it (a fleet file's ctime), else when an answer
+showed it (a DNS resolution, a poll); ``since`` the previous answer, which did not show it.
+The proof rules treat that interval and a band either side as uncertain (docs/HISTORY.md,
+"Fleets that change").
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class MemberState(str, enum.Enum):
 
 class FleetChange(msgspec.Struct, frozen=True, kw_only=True):
     """One change of the fleet as one source saw it: workers that joined (their full spec)
-    and workers that departed (by id), observed at ``at`` (kvmiss clock, seconds).
+    and workers that departed (by id), made by ``at`` and after ``since`` (kvmiss clock,
+    seconds; None: exactly at ``at``).
 
     A spec whose id is already a member with a different endpoint is a departure of the old
     and a join of the new under the same id: a new epoch, nothing carried over.
@@ -38,6 +39,7 @@ class FleetChange(msgspec.Struct, frozen=True, kw_only=True):
 
     at: float
     source: str  # "static", "file", "dns", "topic"
+    since: float | None = None
     joined: tuple[WorkerSpec, ...] = ()
     departed: tuple[str, ...] = ()
 

@@ -810,9 +810,9 @@ class ResidencyIndex:
             if worker in self.tracked and not membership.has_span(worker):
                 membership.static.add(worker)
         for worker in change.departed:
-            membership.depart(worker, change.at)
+            membership.depart(worker, change.at, change.since)
         for spec in change.joined:
-            joined = membership.join(spec, change.at)
+            joined = membership.join(spec, change.at, change.since)
             if joined is not Joined.SAME:
                 self.tracked.add(spec.id)
             if joined is Joined.REJOINED or joined is Joined.REPLACED:

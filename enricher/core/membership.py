@@ -1,14 +1,17 @@
 """Fleet membership over time: which workers a router could choose at a lookup time.
 
 A worker's membership is a list of spans [joined, departed) on kvmiss's clock, as the
-membership sources observed them (`schemas.fleet.FleetChange.at`). A worker of the static
+membership sources observed them. Each end is an interval: a change was made after the
+source's previous answer and by the one that showed it (`schemas.fleet.FleetChange.since`
+and ``at``); a file that says when it changed makes the interval a point. A worker of the static
 ``[[workers]]`` list, or one the index met only through its batches, has no span: it is a
 member from the start, forever, unless a change departs it.
 
-A source says when kvmiss *learned* of a change, not when the router stopped (or started)
-choosing the worker, and lookup times are on the engines' clocks. So every change has an
-uncertainty band of ``band_s`` either side (``[fleet] membership_uncertainty_s``: it must
-cover the source's delay and the engines' clock skew). At a lookup time t a worker is:
+A source says when *its answer* changed, not when the router stopped (or started) choosing
+the worker, and lookup times are on the engines' clocks. So every change has an uncertainty
+band of ``band_s`` either side of its interval (``[fleet] membership_uncertainty_s``: it must
+cover the router's lag behind the source and the engines' clock skew). At a lookup time t a
+worker is:
 
   * ``MEMBER``: inside a span, clear of both its bands -- it counts as it always did;
   * ``UNSETTLED``: within the band of a join or a departure -- neither a candidate holder
@@ -71,7 +74,8 @@ class Membership:
         # True when a source other than the static list may change the fleet: then a worker
         # spans name before any source announced it may be a joiner (the pipeline waits).
         self.dynamic = dynamic
-        # worker -> [[joined, departed], ...], oldest first; none for a member from the start
+        # worker -> [[joined_since, joined_at, departed_since, departed_at], ...], oldest first;
+        # none for a member from the start (a change was made in (since, at]; INF: not yet)
         self.spans: dict[str, list[list[float]]] = {}
         self._rejoined: set[str] = set()  # members with an ended span before their current one
         self.specs: dict[str, WorkerSpec] = {}  # members' specs, as the sources gave them
@@ -101,9 +105,12 @@ class Membership:
 
     def is_member(self, worker: str) -> bool:
         spans = self.spans.get(worker)
-        return spans[-1][1] == INF if spans is not None else worker not in self.released
+        return spans[-1][3] == INF if spans is not None else worker not in self.released
 
-    def join(self, spec: WorkerSpec, at: float) -> Joined:
+    def join(self, spec: WorkerSpec, at: float, since: float | None = None) -> Joined:
+        """``spec`` joined by ``at`` (and after ``since``, when the source's previous answer
+        tells that; else at ``at``)."""
+        since = at if since is None or since > at else since
         worker, spans = spec.id, self.spans.get(spec.id)
         self.released.pop(worker, None)
         if self.is_member(worker) and (spans is not None or worker in self.static):
@@ -111,8 +118,8 @@ class Membership:
             if known is None or known == spec:
                 self.specs[worker] = spec
                 return Joined.SAME
-            self._close(worker, at)  # another engine under the same id: a new span
-            self.spans[worker].append([at, INF])
+            self._close(worker, at, since)  # another engine under the same id: a new span
+            self.spans[worker].append([since, at, INF, INF])
             self._rejoined.add(worker)
             self.specs[worker] = spec
             self.joins += 1
@@ -121,26 +128,27 @@ class Membership:
         self.specs[worker] = spec
         self.joins += 1
         if spans is None:
-            self.spans[worker] = [[at, INF]]
+            self.spans[worker] = [[since, at, INF, INF]]
             return Joined.NEW
         self.departed.pop(worker, None)
-        spans.append([max(at, spans[-1][1]), INF])
+        spans.append([max(since, spans[-1][2]), max(at, spans[-1][3]), INF, INF])
         self._rejoined.add(worker)
         return Joined.REJOINED
 
-    def depart(self, worker: str, at: float) -> bool:
-        """False when ``worker`` was not a member (nothing to do)."""
+    def depart(self, worker: str, at: float, since: float | None = None) -> bool:
+        """``worker`` departed by ``at`` (and after ``since``, as for `join`). False when it
+        was not a member (nothing to do)."""
         if not self.is_member(worker) or (worker not in self.spans and worker not in self.static):
             return False
-        self._close(worker, at)
+        self._close(worker, at, at if since is None or since > at else since)
         self.specs.pop(worker, None)
-        self.departed[worker] = self.spans[worker][-1][1]  # (never before its join: see `_close`)
+        self.departed[worker] = self.spans[worker][-1][3]  # (never before its join: see `_close`)
         self.departures += 1
         return True
 
-    def _close(self, worker: str, at: float) -> None:
-        spans = self.spans.setdefault(worker, [[-INF, INF]])
-        spans[-1][1] = max(at, spans[-1][0])
+    def _close(self, worker: str, at: float, since: float) -> None:
+        span = self.spans.setdefault(worker, [[-INF, -INF, INF, INF]])[-1]
+        span[2], span[3] = max(since, span[0]), max(at, span[1])
 
     def release(self, before: float) -> list[str]:
         """Forget departed workers that left before ``before`` (kvmiss clock, band included by
@@ -154,10 +162,10 @@ class Membership:
                 self.released.popitem(last=False)
         for worker in list(self._rejoined):
             spans = self.spans.get(worker)
-            if spans is None or spans[-1][1] != INF:
+            if spans is None or spans[-1][3] != INF:
                 self._rejoined.discard(worker)  # departed again, or released: handled above
-            elif spans[0][1] < before:
-                spans[:] = [s for s in spans[:-1] if s[1] >= before] + spans[-1:]
+            elif spans[0][3] < before:
+                spans[:] = [s for s in spans[:-1] if s[3] >= before] + spans[-1:]
                 if len(spans) == 1:
                     self._rejoined.discard(worker)
         return gone
@@ -174,12 +182,12 @@ class Membership:
         if t != t:  # NaN: nothing can be placed
             return Standing.UNSETTLED
         band, later_join = self.band_s, False
-        for joined, departed in spans:
-            if joined + band < t < departed - band:
+        for joined_since, joined, departed_since, departed in spans:
+            if joined + band < t < departed_since - band:
                 return Standing.MEMBER if t + band <= self.known_through else Standing.UNSETTLED
-            if joined - band <= t <= joined + band or departed - band <= t <= departed + band:
+            if joined_since - band <= t <= joined + band or departed_since - band <= t <= departed + band:
                 return Standing.UNSETTLED
-            later_join = later_join or joined > t
+            later_join = later_join or joined_since > t
         if later_join:
             return Standing.NOT_YET
         return Standing.DEPARTED if t + band <= self.known_through else Standing.UNSETTLED
@@ -196,7 +204,7 @@ class Membership:
         """When a source announced the worker's current membership (None: a member from the
         start, or not a member now)."""
         spans = self.spans.get(worker)
-        return spans[-1][0] if spans is not None and spans[-1][1] == INF and spans[-1][0] != -INF else None
+        return spans[-1][1] if spans is not None and spans[-1][3] == INF and spans[-1][1] != -INF else None
 
     def members(self) -> list[str]:
         """Members now that a source announced or the static list named (sorted)."""

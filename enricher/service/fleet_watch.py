@@ -74,6 +74,7 @@ class FleetWatch:
         self.stats = stats if stats is not None else FleetStats()
         self._task: asyncio.Task | None = None
         self._known_through = float("-inf")  # see `known_through`
+        self._asked: dict[str, float] = {}  # source -> when its previous poll began
         self.seen_through = seen_through  # told each new `known_through` (the index's membership)
         self._failing: set[str] = set()  # sources whose last poll raised
 
@@ -88,6 +89,7 @@ class FleetWatch:
         started = self.clock()
         changes, answered = [], True
         for source in self.sources:
+            asked = self.clock()
             try:
                 answer = await source.poll()
             except Exception as exc:  # noqa: BLE001 - a source's bug must not stop the others
@@ -100,10 +102,15 @@ class FleetWatch:
             if source.name in self._failing:
                 self._failing.discard(source.name)
                 log.info("fleet %s: polling %s works again", source.name, source.where)
+            previous, self._asked[source.name] = self._asked.get(source.name), asked
             if answer is None:
                 continue
             if isinstance(answer, Desired):
-                answer = self.members.propose(source.name, answer, self.clock() if answer.at is None else answer.at)
+                # Made after the previous poll (which did not show it) and by now, unless the
+                # source says more exactly.
+                since = answer.since if answer.since is not None else previous
+                answer = self.members.propose(source.name, answer,
+                                              self.clock() if answer.at is None else answer.at, since)
             if isinstance(answer, Refusal):
                 self.stats.refused[(source.name, answer.reason.value)] += 1
                 kept = len(self.members.by_source.get(source.name, {}))

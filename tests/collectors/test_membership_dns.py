@@ -139,7 +139,13 @@ def test_poll_starts_a_resolution_and_answers_at_a_later_poll_never_waiting_afte
     async def scenario():
         before = time.time()
         first = await m.poll()  # the first waits for its answer
-        assert before <= first.at <= time.time()  # stamped when the resolution that saw it began
+        assert before <= first.at <= time.time() and first.since is None  # the first fleet: a point
+        await asyncio.sleep(0.25)
+        while m.known_through < before + 0.2:  # an answer that still shows the old fleet
+            assert await m.poll() is None
+            await asyncio.sleep(0.02)
+        old_shown = m.known_through
+        changed = time.time()
         server.set(NAME, ["127.0.0.2", "127.0.0.3"])
         server.pause()  # the next resolution will time out: polls meanwhile return at once
         slowest, answers, t_end = 0.0, [], time.monotonic() + 1.0
@@ -156,6 +162,9 @@ def test_poll_starts_a_resolution_and_answers_at_a_later_poll_never_waiting_afte
                 break
             await asyncio.sleep(0.02)
         m.close()
+        # Made after the last answer that showed the old fleet began, and by the end of the
+        # one that showed the new: an interval that holds the change, however late it was read.
+        assert got.since == old_shown and got.since <= changed <= got.at <= time.time()
         return first, slowest, answers, got
 
     first, slowest, answers, got = asyncio.run(scenario())

@@ -73,6 +73,19 @@ class TestStanding:
         assert m.depart("A", 1.0) and not m.depart("A", 2.0)
         assert m.departed == {"A": 1.0} and m.departures == 1
 
+    def test_a_change_dated_between_two_answers_is_unsettled_from_the_earlier_to_the_later(self):
+        """A DNS change was made after the answer at `since` and by the one at `at`: the band
+        widens by the interval, whichever answer a replica happened to read it in."""
+        m = Membership(["A"], band_s=BAND)
+        m.join(spec("C"), 100.0, since=90.0)
+        assert [m.standing("C", t) for t in (87.9, 88.0, 102.0, 102.1)] == [
+            Standing.NOT_YET, Standing.UNSETTLED, Standing.UNSETTLED, Standing.MEMBER]
+        m.depart("A", 200.0, since=195.0)
+        assert [m.standing("A", t) for t in (192.9, 193.0, 202.0, 202.1)] == [
+            Standing.MEMBER, Standing.UNSETTLED, Standing.UNSETTLED, Standing.DEPARTED]
+        m.depart("C", 300.0, since=310.0)  # a since after at is no interval: the point at
+        assert m.spans["C"][-1] == [90.0, 100.0, 300.0, 300.0]
+
     def test_beyond_what_the_sources_were_asked_no_member_or_departure_is_settled(self):
         """Watched sources tell a change up to a band late: at a lookup time t with t + band
         past `known_through`, a member may have left unseen and a departed worker may be back."""
@@ -408,5 +421,5 @@ def test_a_departure_observed_before_the_join_it_follows_ends_at_the_join():
     m.depart("A", 10.0)
     m.join(spec("A"), 20.0)
     m.depart("A", 19.0)
-    assert m.spans["A"][-1] == [20.0, 20.0] and m.departed_until("A") == 20.5
+    assert m.spans["A"][-1] == [20.0, 20.0, 20.0, 20.0] and m.departed_until("A") == 20.5
     assert m.standing("A", 20.4) is Standing.UNSETTLED and m.standing("A", 20.6) is Standing.DEPARTED
