@@ -108,6 +108,10 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     worker: str | None = None  # chosen worker id (collector's id); None when not routed/known
     dp_rank: int | None = None
     lookup_time: float | None = None  # engine-clock seconds of the first cache probe
+    # When ``lookup_time`` is only the earliest the lookup can have been (vLLM's `llm_request`:
+    # span start + time in queue), the latest it can have been (span start + time to first
+    # token - prefill time); the verdict must then hold at every engine step between them.
+    lookup_time_latest: float | None = None
     # The request's full-block chain, canonical uint64: a list, or (read from OTLP bytes in C)
     # an array('Q') -- only its length and elements are read.
     block_hashes: list[int] | None = None
@@ -119,6 +123,10 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's `kv_cache_report_mode` of the request ("full": the engine re-announced the chain
     # it reused -- what tells that store from a duplicate, ATTRIBUTION.md rule 7).
     kv_cache_report_mode: str | None = None
+    # vLLM's `skip_reading_prefix_cache` of the request (prompt logprobs set it): False proves
+    # it read the prefix cache, so the engine's hit rule applies to it even when it hit
+    # nothing; None: not known (a request that hit a block read it all the same).
+    skip_reading_prefix_cache: bool | None = None
     # Opt-in prompt material, for divergence detail only: used in memory, never written out.
     token_ids: list[int] | None = None
     extra_keys: ExtraKeysSpec | None = None
@@ -144,6 +152,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     worker: str | None = None
     dp_rank: int | None = None
     lookup_time: float | None = None
+    lookup_time_latest: float | None = None
     block_hashes: list[int] | None = None  # what the engines publish on their KV-event streams
     extra_key_kinds: tuple[str, ...] = ()
     transfers: tuple[TransferAttempt, ...] = ()
@@ -151,6 +160,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     route_policy: str | None = None
     predicted_cached_tokens: int | None = None
     kv_cache_report_mode: str | None = None
+    skip_reading_prefix_cache: bool | None = None
     finish_time: float | None = None
     output_tokens: int | None = None
 

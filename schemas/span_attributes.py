@@ -37,6 +37,15 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         default_factory=lambda: ["kvmiss.lookup_time_unix_nano"])
     time_in_queue_s: list[str] = msgspec.field(
         default_factory=lambda: ["gen_ai.latency.time_in_queue"])
+    # vLLM's `llm_request` beside its time in queue: the span starts when the API server took
+    # the request, before the engine core queued it, so start + time in queue is only the
+    # earliest the lookup can have been; the latest is start + time to first token - prefill
+    # time (the engine's first token came after its lookup by the prefill time, and reached
+    # the API server no earlier).
+    time_to_first_token_s: list[str] = msgspec.field(
+        default_factory=lambda: ["gen_ai.latency.time_to_first_token"])
+    prefill_time_s: list[str] = msgspec.field(
+        default_factory=lambda: ["gen_ai.latency.time_in_model_prefill"])
     # For what-if sizing only (`kvmiss whatif`), never for a verdict: the tokens the request
     # generated (vLLM's `llm_request` carries the older name; the GenAI conventions the newer).
     output_tokens: list[str] = msgspec.field(
@@ -44,6 +53,11 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # vLLM's per-request `kv_cache_report_mode` ("full": the engine re-announces the chain the
     # request reused); set by the router that sets `vllm_xargs`, or the kvmiss vLLM plugin.
     kv_cache_report_mode: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.kv_cache_report_mode"])
+    # vLLM's per-request `skip_reading_prefix_cache` (a bool; prompt logprobs set it): false
+    # proves the request read the prefix cache even when it hit nothing, so the engine's hit
+    # rule applies to it; set by the kvmiss vLLM plugin, or a router that knows its requests.
+    skip_reading_prefix_cache: list[str] = msgspec.field(
+        default_factory=lambda: ["kvmiss.skip_reading_prefix_cache"])
     transfer_result: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.result"])
     transfer_source: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.source"])
     # Prompt tokens the engine computed (and wrote to the cache): the GenAI conventions' cache

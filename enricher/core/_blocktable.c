@@ -484,7 +484,8 @@ static inline int resident_key(const BlockTable *t, uint64_t key) {
 /* A BlockStored the Applier leaves to Python (EpochView._apply_event): one with no parent
  * whose last block is already resident -- vLLM's `kv_cache_report_mode: "full"` re-announces
  * a reused chain that way, and on the wire it is a recomputed duplicate too -- and a store of
- * fewer tokens than its group's blocks (a partial-block store). */
+ * fewer tokens than its group's blocks (a partial-block store). A store with no hash at all
+ * (vLLM's Mamba state group: token ids only) is left to Python too, which counts it. */
 static inline int leave_store(const BlockTable *t, int root, unsigned long block_size, uint64_t last, int any) {
     if (block_size && t->block_size && block_size < t->block_size)
         return 1;
@@ -1160,7 +1161,8 @@ static PyObject *apply_encoded(Applier *a, KvEncodedEvents *e, PyObject *seq_obj
         }
         const uint64_t *keys = e->hashes + ev->first;
         if (ev->kind == KV_STORED
-            && leave_store(t, ev->root, ev->block_size, ev->n_hashes ? keys[ev->n_hashes - 1] : 0, ev->n_hashes > 0))
+            && (ev->n_hashes == 0
+                || leave_store(t, ev->root, ev->block_size, keys[ev->n_hashes - 1], 1)))
             break;
         if (ev->kind == KV_STORED) {
             if (gpu_group0 && a->note != Py_None) {
@@ -1198,6 +1200,8 @@ static PyObject *apply_encoded(Applier *a, KvEncodedEvents *e, PyObject *seq_obj
 
 /* `leave_store` for an event Struct: 1 leave it, 0 apply it, -1 with an exception set. */
 static int stored_left_to_python(Applier *a, PyObject *event, const BlockTable *t, PyObject *hashes) {
+    if (PyList_CheckExact(hashes) && PyList_GET_SIZE(hashes) == 0)
+        return 1; /* no hash: counted in Python */
     PyObject *parent = field(event, a->stored_at.parent, str_parent);
     PyObject *size = parent ? field(event, a->stored_at.block_size, str_block_size) : NULL;
     if (!size) {

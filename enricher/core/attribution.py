@@ -7,15 +7,16 @@ with the deployment's digest key and evidence options applied.
 
 from __future__ import annotations
 
+import math
 from typing import Collection
 
 import msgspec
 
 from kvmiss.enricher.core.divergence import diverge
-from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather
+from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather, read_the_cache
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.core.verdict import attribute, missed_reusable
+from kvmiss.enricher.core.verdict import attribute, missed_reusable, unsettled_lookup
 from kvmiss.schemas.attribution import (
     AttributionRecord,
     Divergence,
@@ -24,6 +25,11 @@ from kvmiss.schemas.attribution import (
     RequestFacts,
     Verdict,
 )
+
+
+# Engine steps (of all workers) a lookup known only within a window may fall in, beyond which
+# the verdict is not settled step by step (each one is another evidence gather): unknown.
+MAX_WINDOW_STEPS = 64
 
 
 class Attributor:
@@ -56,6 +62,45 @@ class Attributor:
 
     def attribute(self, facts: RequestFacts) -> Verdict:
         self._confirm_re_announcement(facts)
+        verdict = self._attribute_at(facts)
+        t, latest = facts.lookup_time, facts.lookup_time_latest
+        if (latest is None or t is None or latest <= t or verdict.label in _SETTLED_AT_ANY_TIME
+                or not missed_reusable(facts.prompt_tokens, facts.cached_tokens, facts.block_size)):
+            return verdict
+        return self._across_window(facts, verdict)
+
+    def _across_window(self, facts: RequestFacts, verdict: Verdict) -> Verdict:
+        """The spans bound the lookup to [lookup_time, lookup_time_latest] only (vLLM's
+        `llm_request`). The lookup was in one of the engine steps the window reaches (of any
+        worker: the one containing its start, and the one after each batch inside it); a
+        label stands only if every possible step gives it, otherwise nothing proves which
+        step it was and the answer is unknown.
+
+        A step is not possible where the engine's own hit rule contradicts its count: for a
+        request that read the cache (`read_the_cache`: one that skips it misses what it holds), a
+        single full-attention group that held every block up to and including the first
+        missed one would have hit it (a `resident_miss` there is the request's own recompute,
+        or another store inside the window, seen from a step after it: ATTRIBUTION.md rule 4)."""
+        t, latest = facts.lookup_time, facts.lookup_time_latest
+        stamps = self.index.step_stamps_between(t, latest, MAX_WINDOW_STEPS)
+        if stamps is None:
+            return unsettled_lookup(verdict, None, latest - t)
+        blocks = facts.cached_tokens // facts.block_size + 1
+        read_cache = read_the_cache(facts)
+        kept: Verdict | None = None
+        for at in (t, *(math.nextafter(stamp, math.inf) for stamp in stamps)):  # just after a batch: the next step
+            judged = verdict if at == t else self._attribute_at(msgspec.structs.replace(facts, lookup_time=at))
+            if (judged.label is Label.RESIDENT_MISS and read_cache and facts.worker is not None
+                    and facts.block_hashes is not None
+                    and self.index.full_attention_would_hit(facts.worker, at, facts.block_hashes, blocks)):
+                continue  # the engine would have hit the block here: not where it looked up
+            if kept is None:
+                kept = judged
+            elif judged.label is not kept.label:
+                return unsettled_lookup(kept, judged.label, latest - t)
+        return kept if kept is not None else verdict
+
+    def _attribute_at(self, facts: RequestFacts) -> Verdict:
         # Gathered for a failed transfer too: the facts beyond the label are reported.
         needs_evidence = missed_reusable(facts.prompt_tokens, facts.cached_tokens, facts.block_size)
         evidence = (
@@ -87,7 +132,8 @@ class Attributor:
         view = self.index.current.get(worker)
         if (view is None or not view.unproven) and not self.index.previous.get(worker):
             return
-        self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]))
+        self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]),
+                                           facts.lookup_time_latest)
 
     def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:
         """Which sibling under the request's parent block it left, and how (None when the
@@ -107,3 +153,8 @@ class Attributor:
             lookup_time=facts.lookup_time, prompt_tokens=facts.prompt_tokens,
             cached_tokens=facts.cached_tokens, verdict=self.attribute(facts),
         )
+
+
+# Labels a lookup time cannot change: the request's own facts prove them, or nothing is known.
+_SETTLED_AT_ANY_TIME = frozenset({Label.HIT, Label.LOOKUP_LIMIT, Label.TRANSFER_FAILURE, Label.UNKNOWN_HISTORY,
+                                  Label.UNKNOWN_EPOCH})

@@ -391,6 +391,28 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
             tuple(unsettled))
 
 
+def read_the_cache(facts: RequestFacts) -> bool:
+    """Whether the request provably read the prefix cache: it hit a block, or its spans say it
+    did not skip reading it (vLLM's `skip_reading_prefix_cache` false). Only then does the
+    engine's hit rule speak for it: one that skips the cache misses blocks it holds."""
+    b = facts.block_size
+    return b > 0 and (facts.cached_tokens >= b or facts.skip_reading_prefix_cache is False)
+
+
+def _no_copy_preceded(view: EpochView, facts: RequestFacts, step_seq: int) -> bool:
+    """Two copies of the first missed block were stored in the lookup's step; had one been
+    stored before the lookup (a request that skips the cache, scheduled first), the block
+    would have been held when the request looked. A request that hit a block read the cache
+    (one that skips it, e.g. for prompt logprobs, reports none), and with a single
+    full-attention group that held every block before the missed one at that step, its prefix
+    lookup would then have hit that one too -- it did not, so no copy preceded the lookup, and
+    the step's stores came after it. A request that hit nothing may have skipped the cache,
+    unless its spans say it did not: otherwise the doubt stays."""
+    chain, b = facts.block_hashes, facts.block_size
+    return (chain is not None and not view.hybrid and read_the_cache(facts)
+            and view.holds_leading_run(chain, facts.cached_tokens // b, step_seq))
+
+
 def gather(
     index: ResidencyIndex,
     facts: RequestFacts,
@@ -465,7 +487,7 @@ def gather(
         if removed and view.unproven and view.unproven_before(view.primary_group, key, step_seq):
             # a store not counted as a copy (rule 7) may have outlived this removal
             return Evidence(history=History.CONTINUOUS, re_announced=True, **base)
-        if removed and view.same_step_copies.get(key) == step_seq:
+        if removed and view.same_step_copies.get(key) == step_seq and not _no_copy_preceded(view, facts, step_seq):
             return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
         return Evidence(
             history=History.CONTINUOUS,
@@ -476,7 +498,7 @@ def gather(
             removed_by_clear=removed and node.removed_by_clear,
             **base,
         )
-    if view.same_step_copies.get(key) == step_seq:
+    if view.same_step_copies.get(key) == step_seq and not _no_copy_preceded(view, facts, step_seq):
         return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
     if view.unproven and view.unproven_before(view.primary_group, key, step_seq):
         return Evidence(history=History.CONTINUOUS, re_announced=True, **base)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 from array import array
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from kvmiss.enricher.core.divergence import SiblingRegistry
 from kvmiss.enricher.core.membership import Joined, Membership
@@ -369,6 +369,11 @@ class EpochView:
         gpu_group0, table = found
         if cls is BlockStored:
             hashes = event.block_hashes
+            if not hashes:
+                # No hash to keep (vLLM's Mamba state group sometimes stores its state as token
+                # ids only): nothing the index can hold or a lookup can name. Counted.
+                self.counts[("stores_without_hashes", self.worker)] += 1
+                return
             if (self.re_announcements and event.parent_block_hash is None and hashes and table.copies(hashes[-1])
                     and self._may_re_announce(event, batch)):
                 self._unproven_store(event, seq, table if gpu_group0 else None)
@@ -446,17 +451,20 @@ class EpochView:
         seqs = marks.get(key) if marks else None
         return seqs is not None and seqs[0] < seq
 
-    def confirm_re_announcement(self, hashes: list[int], from_seq: int | None = None) -> int:
+    def confirm_re_announcement(self, hashes: list[int], from_seq: int | None = None,
+                                to_seq: int | None = None) -> int:
         """A request in full report mode hit exactly ``hashes`` (its first C / B blocks): one
         store with no parent of exactly that chain, the first not yet told apart in or after
-        batch ``from_seq`` (its lookup step; None: not known), was its re-announcement -- no
+        batch ``from_seq`` (its lookup step, or the earliest it can have been; None: not known)
+        and not after ``to_seq`` (the latest it can have been), was its re-announcement -- no
         copy: a request that hit a block did not recompute it. That store goes in each tier
         (another one alike stays open: a duplicate for all anyone knows); a store of a longer
         or another chain -- a request that recomputed its prompt -- is never taken for it.
         Returns how many blocks' marks went."""
         chain = tuple(hashes)
         found = [seq for seq, stores in self.unproven_stores.items()
-                 if (from_seq is None or seq >= from_seq) and any(stored == chain for _, stored in stores)]
+                 if (from_seq is None or seq >= from_seq) and (to_seq is None or seq <= to_seq)
+                 and any(stored == chain for _, stored in stores)]
         if not found:
             return 0
         step_seq = min(found)
@@ -721,6 +729,22 @@ class EpochView:
         stored, removed, by_clear = found
         return Interval(stored, self.ts_of(stored), removed, self.ts_of(removed), by_clear)
 
+    def holds_leading_run(self, chain: Sequence[int], blocks: int, step_seq: int) -> bool:
+        """Whether each of the first ``blocks`` hashes of ``chain`` was held on GPU in the
+        primary group at a lookup in batch ``step_seq``: a counted copy (a lower bound: no
+        uncounted store is believed) stored within the run of that step, not removed in or
+        before it."""
+        run = self.run_at_step(step_seq)
+        if run is None or len(chain) < blocks:
+            return False
+        for key in chain[:blocks]:
+            node = self.interval_as_of(key, GPU, step_seq)
+            if node is None or node.stored_seq is None or node.stored_seq < run.start_seq:
+                return False
+            if node.removed_seq is not None and node.removed_seq <= step_seq:
+                return False
+        return True
+
     @property
     def applied_through_ts(self) -> float | None:
         """Engine time of the last applied batch (what was applied, not what a tail
@@ -859,16 +883,48 @@ class ResidencyIndex:
     def reaches(self, view: EpochView, t: float) -> bool:
         return view.reaches(t, self.tail_margin_s)
 
-    def confirm_re_announcement(self, worker: str, t: float | None, hashes: list[int]) -> int:
-        """A request in full report mode on ``worker``, looked up at ``t`` (None: not known),
-        hit ``hashes``: its re-announcement is told apart (`EpochView.confirm_re_announcement`,
-        in the first view that has one). Returns how many marks went (counted:
-        ``re_announced_confirmed``)."""
+    def full_attention_would_hit(self, worker: str, t: float, chain: Sequence[int], blocks: int) -> bool:
+        """Whether vLLM's prefix lookup on ``worker`` at ``t`` would have hit at least
+        ``blocks`` blocks of ``chain``: a single full-attention group (its hit is the leading
+        run of held blocks) held each of them (`EpochView.holds_leading_run`). False whenever
+        that is not proven (another group kind may cut a hybrid's hit; history not there)."""
+        for view in self.views(worker):
+            if view.first_ts is None or view.first_ts > t:
+                continue
+            step = view.lookup_step(t, self.tail_margin_s)
+            return (step is not None and view.epoch_certain and not view.hybrid
+                    and view.holds_leading_run(chain, blocks, step))
+        return False
+
+    def step_stamps_between(self, lo: float, hi: float, limit: int) -> list[float] | None:
+        """The distinct stamps in [``lo``, ``hi``) of the batches applied from every tracked
+        worker, ascending: between two of them no worker's residency changed, so a lookup
+        known only to lie in [lo, hi] is in one of the engine steps these bound (the one
+        containing lo, or the one after each stamp). None when there are more than ``limit``."""
+        stamps: set[float] = set()
+        for worker in {*self.current, *self.previous}:
+            for view in self.views(worker):
+                log = view.log_ts
+                i, j = bisect_left(log, lo), bisect_left(log, hi)
+                if j - i > limit:
+                    return None
+                stamps.update(log[i:j])
+                if len(stamps) > limit:
+                    return None
+        return sorted(stamps)
+
+    def confirm_re_announcement(self, worker: str, t: float | None, hashes: list[int],
+                                t_latest: float | None = None) -> int:
+        """A request in full report mode on ``worker``, looked up at ``t`` (None: not known)
+        or, with ``t_latest``, between the two, hit ``hashes``: its re-announcement is told
+        apart (`EpochView.confirm_re_announcement`, in the first view that has one). Returns
+        how many marks went (counted: ``re_announced_confirmed``)."""
         gone = 0
         for view in self.views(worker):
             if view.unproven_stores:
                 step = view.lookup_step(t, self.tail_margin_s) if t is not None else None
-                gone = view.confirm_re_announcement(hashes, step)
+                last = view.lookup_step(t_latest, self.tail_margin_s) if t_latest is not None else None
+                gone = view.confirm_re_announcement(hashes, step, last)
                 if gone:
                     break
         if gone:

@@ -249,6 +249,23 @@ def attribute(
     return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
 
 
+def unsettled_lookup(verdict: Verdict, other: Label | None, window_s: float) -> Verdict:
+    """The answer when the spans bound a request's lookup to a window only (vLLM's
+    `llm_request`: queue time and time to first token) and ``verdict``, judged at its start,
+    is not what every engine step in the window gives: ``other`` at a later step, or None when
+    the window reaches more steps than are judged. The request's own facts stay."""
+    if other is None:
+        why = "reaches more engine steps than kvmiss judges one by one"
+    else:
+        why = f"holds engine steps that give {verdict.label.value} and {other.value}"
+    reason = (f"the spans place the lookup only within a {window_s * 1000:.0f} ms window (vLLM's queue time and time "
+              f"to first token; no exact lookup time), which {why}")
+    return _verdict(Label.UNKNOWN_HISTORY, reason, history=verdict.history, epoch=verdict.epoch,
+                    first_miss_block=verdict.first_miss_block, first_miss_token=verdict.first_miss_token,
+                    first_miss_digest=verdict.first_miss_digest, extra_key_kinds=verdict.extra_key_kinds,
+                    missed_tokens=verdict.missed_tokens)
+
+
 def _verdict(label: Label, reason: str, **fields: Any) -> Verdict:
     """The only constructor: owner always from LABEL_OWNER, reason always within the bound."""
     if len(reason) > REASON_MAX_CHARS:

@@ -337,8 +337,10 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         chain = _hash_tokens(token_ids, spec, hasher, errors)
     lookup_time = m.get("lookup_time")
     transfers = assembly.transfers()
+    lookup_time_latest = None
     if lookup_time is None:
         lookup_time = m.get("queue_lookup_time")
+        lookup_time_latest = m.get("queue_lookup_latest") if lookup_time is not None else None
         if lookup_time is None and needs_index(prompt_tokens, cached_tokens, block_size, transfers):
             # A miss is judged against the index at its lookup time, and only a span can say
             # when that was (a router's own, or vLLM's `llm_request`, which may come seconds
@@ -353,12 +355,14 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         worker=m.get("worker") or m.get("resource_worker"),
         dp_rank=m.get("dp_rank"),
         lookup_time=lookup_time,
+        lookup_time_latest=lookup_time_latest,
         block_hashes=chain,
         extra_key_kinds=kinds,
         transfers=transfers,
         instance_hint=m.get("instance"),
         route_policy=m.get("route_policy"),
         kv_cache_report_mode=m.get("kv_cache_report_mode"),
+        skip_reading_prefix_cache=m.get("skip_reading_prefix_cache"),
         predicted_cached_tokens=m.get("predicted_cached_tokens"),
         token_ids=token_ids,
         extra_keys=spec,

@@ -49,9 +49,13 @@ class SpanFacts(msgspec.Struct, kw_only=True):
     extra_key_kinds: list[str] | None = None
     lookup_time: float | None = None  # seconds, engine wall clock
     queue_lookup_time: float | None = None  # span start + time in queue (vLLM), seconds
+    # span start + time to first token - prefill time (vLLM), seconds: the latest the lookup
+    # can have been when the time above is all there is (see `InputNames.time_to_first_token_s`)
+    queue_lookup_latest: float | None = None
     transfer: TransferAttempt | None = None
     recomputed_tokens: int | None = None
     kv_cache_report_mode: str | None = None
+    skip_reading_prefix_cache: bool | None = None
     tenant_policy: str | None = None
     adapter: str | None = None
     model_revision: str | None = None
@@ -111,6 +115,14 @@ def _str(value: Any) -> str | None:
     return None
 
 
+def _bool(value: Any) -> bool | None:
+    if type(value) is bool:
+        return value
+    if type(value) is str and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return None
+
+
 class _Ints(list):
     """An unwrapped OTLP array whose elements were all ``int_value``s (int64 by construction):
     `_int_list` need not look at them one by one."""
@@ -155,15 +167,16 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "worker": _str, "dp_rank": _int, "route_policy": _str, "predicted_cached_tokens": _int,
     "instance": _str, "block_hashes": _hash_list, "token_ids": _int_list, "extra_keys": _str,
     "extra_key_kinds": _str_list, "lookup_time_unix_nano": _int, "time_in_queue_s": _float,
+    "time_to_first_token_s": _float, "prefill_time_s": _float,
     "transfer_result": _transfer_result, "transfer_source": _str, "recomputed_tokens": _int,
-    "kv_cache_report_mode": _str, "tenant_policy": _str, "adapter": _str, "model_revision": _str, "template_version": _str,
+    "kv_cache_report_mode": _str, "skip_reading_prefix_cache": _bool, "tenant_policy": _str, "adapter": _str, "model_revision": _str, "template_version": _str,
     "output_tokens": _int,
 }
 
 # Facts that never make a span a fragment on their own: a span carrying only them (an LLM
 # client's span with its token usage) passes through as if it carried none, as it did
 # before they were read -- it is no request kvmiss could judge.
-_RIDERS = frozenset({"output_tokens"})
+_RIDERS = frozenset({"output_tokens", "time_to_first_token_s", "prefill_time_s"})
 
 _UNUSABLE = object()  # kvlist / bytes / empty values: no converter accepts it
 _KEY = operator.attrgetter("key")
@@ -428,7 +441,7 @@ class SpanReader:
                 elif ranks:
                     ranks.pop(fact, None)  # type: ignore[arg-type]
             found = None if marks is None else Marks(marks, len(keys), raw)
-            if not values or (len(values) == 1 and riders.issuperset(values)):
+            if not values or riders.issuperset(values):
                 return None if found is None else (None, None, found)
             start = span.start_time_unix_nano if "time_in_queue_s" in values else 0
             return (*build(values, start, span.name == names.PREFIX_LOOKUP_SPAN, resource_worker,
@@ -472,6 +485,11 @@ class SpanReader:
                 facts.lookup_time = value / 1e9
             elif fact == "time_in_queue_s":
                 facts.queue_lookup_time = start_time_unix_nano / 1e9 + value
+                facts.queue_lookup_latest = _latest_lookup(start_time_unix_nano, value,
+                                                           values.get("time_to_first_token_s", (0, None))[1],
+                                                           values.get("prefill_time_s", (0, None))[1])
+            elif fact in ("time_to_first_token_s", "prefill_time_s"):
+                pass
             elif fact == "transfer_result":
                 source = values.get("transfer_source", (0, None))[1]
                 facts.transfer = TransferAttempt(value, source)
@@ -521,7 +539,7 @@ class WireScanner:
         """What `SpanReader.scanner` returns for the hit's span (the hit's values not None)."""
         values, marks = hit[4], hit[5]
         found = None if marks is None else Marks(marks, hit[6], hit[7])
-        if not values or (len(values) == 1 and _RIDERS.issuperset(values)):
+        if not values or _RIDERS.issuperset(values):
             return None, None, found
         return (*_build(values, hit[8], hit[10], resource_worker, hit[9]), found)  # type: ignore[arg-type]
 
@@ -537,6 +555,19 @@ def rewrite_request(body: bytes, edits: list[tuple[int, int, int, tuple[int, ...
     return _rewrite(body, edits)
 
 
+def _latest_lookup(start_time_unix_nano: int, queue_s: float, first_token_s: float | None,
+                   prefill_s: float | None) -> float | None:
+    """vLLM's `llm_request`: the latest its engine lookup can have been, span start + time to
+    first token - prefill time (seconds), or None without both or when they contradict the
+    earliest, start + time in queue (the bound is then not one)."""
+    if first_token_s is None or prefill_s is None or prefill_s < 0:
+        return None
+    latest = first_token_s - prefill_s
+    if latest < queue_s:
+        return None
+    return start_time_unix_nano / 1e9 + latest
+
+
 def _build(values: dict[str, Any], start_time_unix_nano: int, engine_lookup: bool,
            resource_worker: str | None, end_time_unix_nano: int) -> tuple[SpanFacts, dict[str, Any]]:
     """`SpanFacts` from converted values by fact name (`_CONVERTERS`' keys) of an OTLP span
@@ -546,8 +577,13 @@ def _build(values: dict[str, Any], start_time_unix_nano: int, engine_lookup: boo
         values["finish_time"] = end_time_unix_nano / 1e9  # (a transfer or lookup span ends early)
     if "lookup_time_unix_nano" in values:
         values["lookup_time"] = values.pop("lookup_time_unix_nano") / 1e9
+    first_token, prefill = values.pop("time_to_first_token_s", None), values.pop("prefill_time_s", None)
     if "time_in_queue_s" in values:
-        values["queue_lookup_time"] = start_time_unix_nano / 1e9 + values.pop("time_in_queue_s")
+        queue = values.pop("time_in_queue_s")
+        values["queue_lookup_time"] = start_time_unix_nano / 1e9 + queue
+        latest = _latest_lookup(start_time_unix_nano, queue, first_token, prefill)
+        if latest is not None:
+            values["queue_lookup_latest"] = latest
     if "transfer_source" in values or "transfer_result" in values:
         source = values.pop("transfer_source", None)
         result = values.pop("transfer_result", _MISSING)

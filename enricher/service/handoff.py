@@ -10,6 +10,7 @@ applies them and prunes the index now and then.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Callable
 
@@ -21,6 +22,13 @@ PRUNE_EVERY_S = 1.0
 # on at the next drain. At a million events a second a whole second's prune held the loop for
 # ~150 ms (benchmarks/bench_ingest_serve.py --scrape-hz: /healthz answers stalled).
 PRUNE_SHARE = 20_000
+# Index anomalies logged once per worker when first seen (they are counted on /metrics).
+LOGGED_ONCE = {
+    "stores_without_hashes": "worker %s: a BlockStored with no block hash (vLLM's Mamba state group stores its "
+                             "state as token ids only): skipped, counted in kvmiss_index_stores_without_hashes",
+}
+
+log = logging.getLogger("kvmiss.index")
 
 
 class IndexFeed:
@@ -33,6 +41,7 @@ class IndexFeed:
         self._last_prune = clock()
         self.applied = 0  # batches applied to the index so far
         self._prune_at = 0.0  # the engine time the prune under way prunes to
+        self._logged: set[tuple[str, str]] = set()  # (anomaly, worker) already logged
 
     def put(self, worker: str, action: StreamAction) -> bool:
         """Queue what the index needs; False for a stream fact it does not (log it)."""
@@ -78,4 +87,12 @@ class IndexFeed:
                 self._prune_at = max((v.applied_through_ts or 0.0 for v in index.current.values()), default=0.0)
             if self._prune_at:
                 index.prune(self._prune_at, PRUNE_SHARE)
+            self._log_new_anomalies()
         return behind or index.prune_pending
+
+    def _log_new_anomalies(self) -> None:
+        for (name, worker), n in list(self.index.anomalies.items()):
+            if n and name in LOGGED_ONCE and (name, worker) not in self._logged:
+                if len(self._logged) < 4096:
+                    self._logged.add((name, worker))
+                    log.warning(LOGGED_ONCE[name], worker[:64])

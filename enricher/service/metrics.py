@@ -319,6 +319,10 @@ class KvmissCollector(Collector):
                 "kvmiss_index_stale_partial_stores", "Partial-block stores of a hash removed earlier in the epoch "
                 "(vLLM #49125: a stale partial hash re-registered after its block's promotion): applied as new "
                 "stores, never as the removed interval going on.", labels=["worker"]),
+            "stores_without_hashes": CounterMetricFamily(
+                "kvmiss_index_stores_without_hashes", "BlockStored events with no block hash (vLLM's Mamba state "
+                "group sometimes stores its state as token ids only): nothing to hold or look up; skipped.",
+                labels=["worker"]),
         }
         for (name, worker), n in sorted(self.index_anomalies().items()):
             family = families.get(name)

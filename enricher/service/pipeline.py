@@ -439,6 +439,8 @@ class Pipeline:
         if not needs_index(facts.prompt_tokens, facts.cached_tokens, facts.block_size, facts.transfers):
             return True  # hit, lookup_limit, or proven by its own spans: no index needed
         index, t = self.attributor.index, facts.lookup_time
+        if t is not None and facts.lookup_time_latest is not None and facts.lookup_time_latest > t:
+            t = facts.lookup_time_latest  # the verdict must hold at every step up to it
         views = index.views(facts.worker) if facts.worker else []
         if not views or t is None or not index.reaches(views[0], t):
             return False

@@ -61,9 +61,9 @@ def record_of(facts: RequestFacts, trace_id: bytes | None = None) -> RequestReco
         request_id=facts.request_id, trace_id=trace_id.hex() if trace_id else None,
         prompt_tokens=facts.prompt_tokens, cached_tokens=facts.cached_tokens, block_size=facts.block_size,
         worker=facts.worker, dp_rank=facts.dp_rank, lookup_time=facts.lookup_time,
-        block_hashes=facts.block_hashes, extra_key_kinds=facts.extra_key_kinds, transfers=facts.transfers,
+        lookup_time_latest=facts.lookup_time_latest, block_hashes=facts.block_hashes, extra_key_kinds=facts.extra_key_kinds, transfers=facts.transfers,
         instance_hint=facts.instance_hint, route_policy=facts.route_policy,
-        kv_cache_report_mode=facts.kv_cache_report_mode,
+        kv_cache_report_mode=facts.kv_cache_report_mode, skip_reading_prefix_cache=facts.skip_reading_prefix_cache,
         predicted_cached_tokens=facts.predicted_cached_tokens, finish_time=facts.finish_time,
         output_tokens=facts.output_tokens)
 

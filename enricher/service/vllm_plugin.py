@@ -74,6 +74,7 @@ ATTR_PROMPT_TOKENS = "gen_ai.usage.input_tokens"
 ATTR_CACHED_TOKENS = "kvmiss.cached_tokens"
 ATTR_BLOCK_SIZE = "kvmiss.block_size"
 ATTR_REPORT_MODE = "kvmiss.kv_cache_report_mode"
+ATTR_SKIP_READING = "kvmiss.skip_reading_prefix_cache"
 ATTR_BLOCK_HASHES = "kvmiss.block_hashes"
 ATTR_LOOKUP_TIME = "kvmiss.lookup_time_unix_nano"
 ATTR_EXTRA_KEY_KINDS = "kvmiss.extra_key_kinds"
@@ -100,6 +101,8 @@ class LookupRecord(NamedTuple):
     # vLLM's per-request `kv_cache_report_mode` ("full": the engine re-announces the chain the
     # request reused, which kvmiss must tell from a duplicate); None when the request has none.
     report_mode: str | None = None
+    # vLLM's `skip_reading_prefix_cache` (a bool; None when the request has none).
+    skip_reading: bool | None = None
 
 
 def otel_int(block_hash: Any) -> int:
@@ -120,6 +123,12 @@ def _report_mode(request: Any) -> str | None:
     return mode if isinstance(mode, str) and len(mode) <= 16 else None
 
 
+def _skip_reading(request: Any) -> bool | None:
+    """The request's `skip_reading_prefix_cache` when it is a bool (prompt logprobs set it)."""
+    skip = getattr(request, "skip_reading_prefix_cache", None)
+    return skip if type(skip) is bool else None
+
+
 def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | None) -> dict[str, Any]:
     """The span attributes of one lookup: kvmiss's input names. The chain runs up to and
     including the first missed block (``cached // block_size``). It is left out when nothing
@@ -136,6 +145,8 @@ def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | N
         attrs[ATTR_DP_RANK] = dp_rank
     if record.report_mode is not None:
         attrs[ATTR_REPORT_MODE] = record.report_mode
+    if record.skip_reading is not None:
+        attrs[ATTR_SKIP_READING] = record.skip_reading
     if record.extra_key_kinds:
         attrs[ATTR_EXTRA_KEY_KINDS] = list(record.extra_key_kinds)
     if block_size > 0 and record.block_hashes is not None:
@@ -239,7 +250,7 @@ class Recorder:
         record = LookupRecord(
             request.request_id, start_ns, end_ns, request.num_tokens, int(result[1]),
             request.block_hashes, extra_key_kinds(request), request.trace_headers,
-            _report_mode(request))
+            _report_mode(request), _skip_reading(request))
         pending = self.pending
         pending[record.request_id] = record
         if len(pending) > self.max_pending:

@@ -76,6 +76,8 @@ class Request:
     sent_at: float = 0.0
     done_at: float = 0.0
     lookup_time: float | None = None  # from llm_request: span start + time in queue (engine clock)
+    lookup_time_latest: float | None = None  # span start + time to first token - prefill time
+    skip_reading: bool | None = None  # skip_reading_prefix_cache, as kvmiss was told it
     cached_api: int | None = None
     chain: list[int] = field(default_factory=list)
     truth: str | None = None
@@ -289,6 +291,8 @@ def send(port: int, request: Request, router: Router | None) -> None:
         })
         if request.full_report:  # the router set vllm_xargs, so it says so (tells re-announcements apart)
             span.set_attribute("kvmiss.kv_cache_report_mode", "full")
+        # It asks for no prompt logprobs, so vLLM reads the prefix cache for every request.
+        span.set_attribute("kvmiss.skip_reading_prefix_cache", False)
         span.end()
 
 
@@ -317,7 +321,8 @@ def send_in_flight(port: int, requests: list[Request], router: Router | None, in
 
 
 def read_request_records(requests: list[Request], path: Path) -> None:
-    """The lookup time kvmiss used for each request (its ``[export] request_records``)."""
+    """The lookup time kvmiss used for each request, and the latest it can have been when
+    that came from ``llm_request`` (its ``[export] request_records``)."""
     by_trace = {r.trace_id: r for r in requests}
     if not path.exists():
         return
@@ -326,6 +331,9 @@ def read_request_records(requests: list[Request], path: Path) -> None:
         r = by_trace.get(record.get("trace_id"))
         if r is not None and record.get("lookup_time") is not None:
             r.lookup_time = record["lookup_time"]
+            r.lookup_time_latest = record.get("lookup_time_latest")
+        if r is not None:
+            r.skip_reading = record.get("skip_reading_prefix_cache")
 
 
 def write_run_capture(path: Path, recorder, requests: list[Request], summary: dict) -> None:
@@ -345,8 +353,10 @@ def write_run_capture(path: Path, recorder, requests: list[Request], summary: di
         for r in requests:
             out.write(json.dumps({"request": {
                 "kind": r.kind, "prompt_tokens": len(r.prompt), "cached_tokens": r.cached_api, "block_size": BLOCK,
-                "worker": WORKER, "lookup_time": r.lookup_time, "block_hashes": r.chain,
-                "full_report": r.full_report, "concurrent": r.concurrent, "sent_at": r.sent_at, "done_at": r.done_at,
+                "worker": WORKER, "lookup_time": r.lookup_time, "lookup_time_latest": r.lookup_time_latest,
+                "block_hashes": r.chain,
+                "full_report": r.full_report, "skip_reading_prefix_cache": r.skip_reading,
+                "concurrent": r.concurrent, "sent_at": r.sent_at, "done_at": r.done_at,
                 "truth": r.truth, "excluded": r.excluded, "kvmiss_live": r.labels[0] if r.labels else None}}) + "\n")
 
 
@@ -377,7 +387,8 @@ def rss_mb(pid: int) -> float | None:
 REPORTED_METRICS = (
     "kvmiss_index_re_announced_stores_total", "kvmiss_index_re_announced_blocks_total",
     "kvmiss_index_re_announced_confirmed_total", "kvmiss_index_uncounted_copies_removed_total",
-    "kvmiss_index_stale_partial_stores_total", "kvmiss_stream_gaps_total", "kvmiss_stream_batches_applied_total")
+    "kvmiss_index_stale_partial_stores_total", "kvmiss_index_stores_without_hashes_total", "kvmiss_stream_gaps_total",
+    "kvmiss_stream_batches_applied_total")
 
 
 class MissingMetric(LookupError):

@@ -303,6 +303,21 @@ class TestSameStepCopies:
         ev = gather(index, request("A", a.ts(6) - 0.5))
         assert ev.same_step_copies and ev.presence is Presence.UNKNOWN
 
+    def test_a_request_that_read_the_cache_and_held_the_prefix_would_have_hit_an_earlier_copy(self):
+        """Had one of the step's copies preceded the lookup, vLLM's prefix lookup -- which
+        held the block before it -- would have hit it. A request that hit a block read the
+        cache (one that skips it reports none), so neither copy preceded: absence is proven.
+        A request that hit nothing proves that only when its spans say it read the cache."""
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 4), {0: [stored(PARENT)], 1: [stored(H, parent=PARENT), stored(H, parent=PARENT)]}))
+        assert gather(index, request("A", a.ts(1) - 0.5)).presence is Presence.ABSENT
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a.batches(range(0, 4), {1: [stored(H), stored(H)]}))
+        nothing_hit = request("A", a.ts(1) - 0.5, cached_blocks=0)
+        assert gather(index, nothing_hit).same_step_copies  # it may have skipped the cache
+        read = msgspec.structs.replace(nothing_hit, skip_reading_prefix_cache=False)
+        assert gather(index, read).presence is Presence.ABSENT
+
     def test_one_copy_in_the_lookup_step_is_the_requests_own_recompute(self):
         index, a = ResidencyIndex(), WorkerFeed("A")
         feed(index, a.batches(range(0, 4), {1: [stored(H)]}))

@@ -84,6 +84,25 @@ class TestReading:
         f = SpanReader().read(s)
         assert f.prompt_tokens == 7 and f.queue_lookup_time == 1000.25 and f.lookup_time is None
 
+    def test_vllm_llm_request_bounds_its_lookup_by_time_to_first_token_less_prefill(self):
+        """Start + time in queue is the earliest the lookup can have been (the engine core
+        queued the request after the span started); start + time to first token - prefill
+        time the latest (the first token came a prefill after the lookup, and reached the API
+        server no earlier)."""
+        base = dict(gen_ai__request__id="r1", gen_ai__usage__prompt_tokens=7, gen_ai__latency__time_in_queue=0.25)
+        f = SpanReader().read(span(**base, gen_ai__latency__time_to_first_token=0.5,
+                                   gen_ai__latency__time_in_model_prefill=0.125))
+        assert f.queue_lookup_time == 1000.25 and f.queue_lookup_latest == 1000.375
+        sdk = SpanReader().read_attributes({"gen_ai.latency.time_in_queue": 0.25, "gen_ai.usage.prompt_tokens": 7,
+                                            "gen_ai.latency.time_to_first_token": 0.5,
+                                            "gen_ai.latency.time_in_model_prefill": 0.125}, 1_000_000_000_000)
+        assert sdk.queue_lookup_time == 1000.25 and sdk.queue_lookup_latest == 1000.375
+        assert SpanReader().read(span(**base, gen_ai__latency__time_to_first_token=0.5)).queue_lookup_latest is None
+        contradicting = span(**base, gen_ai__latency__time_to_first_token=0.3, gen_ai__latency__time_in_model_prefill=0.2)
+        assert SpanReader().read(contradicting).queue_lookup_latest is None  # before the earliest: no bound
+        alone = span(gen_ai__latency__time_to_first_token=0.5, gen_ai__latency__time_in_model_prefill=0.1)
+        assert SpanReader().read(alone) is None  # latencies alone make no request
+
     def test_custom_names_map_a_routers_own_attributes(self):
         reader = SpanReader(InputNames(worker=["router.backend"], cached_tokens=["usage.cached"]))
         f = reader.read(span(router__backend="pod-7", usage__cached=64))

@@ -77,7 +77,8 @@ def test_re_announcements_and_stale_partial_stores_are_counted_per_worker():
     index, a = ResidencyIndex(), WorkerFeed("A")
     for b in a.batches(range(0, 10), {1: [stored(H - 1, H)], 2: [stored(H - 1, H)],  # reported in full
                                       3: [group_stored(0, H + 1, parent=H, block_size=16)],
-                                      4: [removed(H + 1)], 5: [group_stored(0, H + 1, parent=H, block_size=8)]}):
+                                      4: [removed(H + 1)], 5: [group_stored(0, H + 1, parent=H, block_size=8)],
+                                      6: [stored()]}):  # no hash (vLLM's Mamba state group)
         index.apply(b)
     registry = CollectorRegistry()
     registry.register(KvmissCollector(Pipeline(Attributor(index), Sink(), clock=Clock()).stats, dict,
@@ -86,6 +87,7 @@ def test_re_announcements_and_stale_partial_stores_are_counted_per_worker():
     assert sample("kvmiss_index_re_announced_stores_total", {"worker": "A"}) == 1
     assert sample("kvmiss_index_re_announced_blocks_total", {"worker": "A"}) == 2
     assert sample("kvmiss_index_stale_partial_stores_total", {"worker": "A"}) == 1
+    assert sample("kvmiss_index_stores_without_hashes_total", {"worker": "A"}) == 1
 
 
 def test_every_metric_the_real_engine_run_reports_is_one_kvmiss_declares():

@@ -361,6 +361,29 @@ def test_a_router_span_without_lookup_time_waits_for_llm_request_and_takes_its_t
     assert pipe.stats.spans_in == pipe.stats.spans_out == 2
 
 
+def test_a_lookup_time_from_llm_request_is_a_window_and_its_steps_must_agree():
+    """H is removed in step 12 (1012.0). vLLM's queue time puts the lookup at 1010.5 at the
+    earliest (step 11: resident); its time to first token less prefill at 1012.5 at the latest
+    (step 13: removed). Which step it was is not proven: unknown, never resident_miss. The
+    earliest time alone (no time to first token) is still taken as the lookup."""
+    labels = {}
+    for name, extra in (("window", {"gen_ai.latency.time_to_first_token": 2.25,
+                                    "gen_ai.latency.time_in_model_prefill": 0.25}), ("queue only", {})):
+        index, _ = evicted_history()
+        clock = Clock(0.0)
+        pipe, sink = make(index, clock, assemble_wait_s=15.0, judge_on_arrival=True)
+        router = router_span(**{"gen_ai.usage.input_tokens": 40})
+        del router["kvmiss.lookup_time_unix_nano"]
+        asyncio.run(pipe.consume(export_request(router)))
+        asyncio.run(pipe.consume(timed_request(vllm_request_span(lookup=1010.5, queue_s=0.25, **extra))))
+        pipe.poll()
+        out = attrs(next(s for s in sink.spans() if s.name == "router"))
+        labels[name] = out["kvmiss.label"]
+        if name == "window":
+            assert "window" in out["kvmiss.reason"] and "evicted" in out["kvmiss.reason"]
+    assert labels == {"window": "unknown_history", "queue only": "resident_miss"}
+
+
 def test_llm_request_first_then_the_router_span_gives_one_label():
     index, _ = evicted_history()
     clock = Clock(0.0)

@@ -79,8 +79,10 @@ def kvmiss_verdicts(live: list[dict], requests: list[dict], tmp_path: Path) -> l
         # router that set vllm_xargs says it: `kvmiss.kv_cache_report_mode`)
         facts = RequestFacts(prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"],
                              block_size=r["block_size"], worker=r["worker"], lookup_time=r["lookup_time"],
+                             lookup_time_latest=r.get("lookup_time_latest"),
                              block_hashes=r["block_hashes"],
-                             kv_cache_report_mode="full" if r.get("full_report") else None)
+                             kv_cache_report_mode="full" if r.get("full_report") else None,
+                             skip_reading_prefix_cache=r.get("skip_reading_prefix_cache"))
         verdict = attributor.attribute(facts)
         verdicts.append((verdict.label.value, verdict.reason or ""))
     return verdicts
@@ -138,3 +140,33 @@ def test_kvmiss_gives_the_engines_truth_on_a_captured_run(path, tmp_path):
         pytest.xfail(f"{len(wrong)} evicted judged resident_miss (re-announcements counted as copies; "
                      "an llm_request lookup time before the real lookup)")
     assert wrong == [], wrong
+
+
+def test_the_mamba_groups_stores_without_a_hash_are_counted_logged_once_and_skipped(tmp_path, caplog):
+    """vLLM's Mamba state group (the Qwen3-Next-style capture) sometimes stores its state as a
+    BlockStored with 96 token ids and no hash: nothing to hold. Each is counted per worker
+    (``kvmiss_index_stores_without_hashes``) and logged once, the group is still learned from
+    it, and the run's batches all apply."""
+    import logging
+
+    from kvmiss.enricher.service.handoff import IndexFeed
+
+    path = DATA / "vllm-0.32.0-qwen3-next-run.jsonl.gz"
+    _, live, _ = load(path)
+    hashless = sum(1 for m in live for e in msgspec.msgpack.decode(base64.b64decode(m["frames"][2]))[1]
+                   if e.get("type") == "BlockStored" and not e.get("block_hashes"))
+    assert hashless > 0
+    recording = tmp_path / "run.kvrec"
+    with RecordingWriter(recording) as writer:
+        for m in live:
+            writer.write(RecordedMessage(m["recv_ts"], WORKER, "sub", [base64.b64decode(f) for f in m["frames"]]))
+    index = index_from_recording(str(recording), [WorkerSpec(id=WORKER, endpoint="recorded")])
+    assert index.anomalies[("stores_without_hashes", WORKER)] == hashless
+    view = index.current[WORKER]
+    assert view.last_seq == live[-1]["seq"] and "mamba" in {g.kind for g in view.groups.values()}
+    feed = IndexFeed(index, clock=lambda: 0.0)
+    with caplog.at_level(logging.WARNING, logger="kvmiss.index"):
+        feed._log_new_anomalies()
+        feed._log_new_anomalies()
+    lines = [r.getMessage() for r in caplog.records if "no block hash" in r.getMessage()]
+    assert len(lines) == 1 and WORKER in lines[0]

@@ -56,6 +56,7 @@ class TestSpanAttributes:
         assert plugin.ATTR_LOOKUP_TIME == defaults.lookup_time_unix_nano[0]
         assert plugin.ATTR_EXTRA_KEY_KINDS == defaults.extra_key_kinds[0]
         assert plugin.ATTR_DP_RANK == defaults.dp_rank[0]
+        assert plugin.ATTR_SKIP_READING == defaults.skip_reading_prefix_cache[0]
         assert plugin.WORKER_RESOURCE_KEY == defaults.resource_worker[0]
         assert plugin.SPAN_NAME == PREFIX_LOOKUP_SPAN
 
@@ -682,3 +683,20 @@ def test_a_request_in_full_report_mode_says_so_on_its_lookup_span():
     assert attrs["kvmiss.kv_cache_report_mode"] == "full"
     assert "kvmiss.kv_cache_report_mode" not in plugin.lookup_attributes(record._replace(report_mode=None),
                                                                           block_size=16, dp_rank=None)
+
+
+def test_whether_a_request_skips_reading_the_prefix_cache_is_on_its_lookup_span():
+    """vLLM's `skip_reading_prefix_cache` (prompt logprobs set it): False proves the request
+    read the cache even when it hit nothing (kvmiss then applies the engine's hit rule to it)."""
+    class Reads:
+        skip_reading_prefix_cache = False
+
+    class Skips:
+        skip_reading_prefix_cache = True
+
+    assert (plugin._skip_reading(Reads()), plugin._skip_reading(Skips()), plugin._skip_reading(object())) == (
+        False, True, None)
+    record = plugin.LookupRecord("r1", 0, 1, 40, 0, [1, 2, 3], (), None, None, False)
+    assert plugin.lookup_attributes(record, block_size=16, dp_rank=None)["kvmiss.skip_reading_prefix_cache"] is False
+    assert "kvmiss.skip_reading_prefix_cache" not in plugin.lookup_attributes(
+        record._replace(skip_reading=None), block_size=16, dp_rank=None)

@@ -1,0 +1,105 @@
+"""A lookup known only within a window (vLLM's `llm_request` without the kvmiss plugin).
+
+vLLM's span starts when the API server took the request; its time in queue runs from when the
+engine core queued it, so start + time in queue is only the earliest the lookup can have been
+(measured on the real engine with 8 requests in flight: up to ~100 ms early, a step or more
+before the lookup). Start + time to first token - prefill time is the latest. A verdict then
+stands only if every engine step in between -- of any worker: another worker's step may
+change what it held -- gives the same label; otherwise it is unknown, never the label of the
+wrong step."""
+
+from __future__ import annotations
+
+import msgspec
+from fleet_builders import PARENT, H, WorkerFeed, chain_request, removed, request, stored
+
+from kvmiss.enricher.core.attribution import MAX_WINDOW_STEPS, Attributor
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.schemas.attribution import Label
+
+
+def one_worker(events: dict) -> tuple[ResidencyIndex, WorkerFeed]:
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    for b in a.batches(range(0, 30), events):
+        index.apply(b)
+    return index, a
+
+
+def test_a_window_whose_steps_give_two_labels_is_unknown_naming_both():
+    """H stored at 3, removed in step 10. A lookup in step 9 finds it resident (resident_miss),
+    one in step 10 finds it removed (vLLM frees before it allocates: evicted). A window
+    reaching both is unknown -- the resident_miss its earliest time alone gave was wrong on
+    the real engine."""
+    index, a = one_worker({3: [stored(H)], 10: [removed(H)]})
+    early = request("A", a.ts(9) - 0.5)
+    assert Attributor(index).attribute(early).label is Label.RESIDENT_MISS  # the earliest time alone
+    v = Attributor(index).attribute(request("A", a.ts(9) - 0.5, lookup_time_latest=a.ts(10) - 0.1))
+    assert v.label is Label.UNKNOWN_HISTORY
+    assert "resident_miss" in v.reason and "evicted" in v.reason and "window" in v.reason
+    assert v.first_miss_block == 1 and v.missed_tokens > 0  # the request's own facts stay
+
+
+def test_a_window_inside_one_step_or_whose_steps_agree_keeps_its_label():
+    index, a = one_worker({3: [stored(H)], 10: [removed(H)]})
+    same_step = request("A", a.ts(9) - 0.5, lookup_time_latest=a.ts(9) - 0.1)
+    assert Attributor(index).attribute(same_step).label is Label.RESIDENT_MISS
+    after = request("A", a.ts(12) - 0.5, lookup_time_latest=a.ts(16) - 0.5)  # steps 12-16: all removed
+    v = Attributor(index).attribute(after)
+    assert v.label is Label.EVICTED and v.removed_seq == 10
+
+
+def test_another_workers_step_inside_the_window_counts_too():
+    """B held H until its step 8 (stamped 1008.3); A's lookup is known within [1007.2, 1008.5].
+    Before B's removal the miss is a routing_miss (B held it), after it B had removed it and A
+    never held it. Both are possible: unknown."""
+    index = ResidencyIndex(["A", "B"])
+    a, b = WorkerFeed("A"), WorkerFeed("B", ts0=1000.3)
+    for batch in sorted([*a.batches(range(0, 20), {}), *b.batches(range(0, 20), {2: [stored(H)], 8: [removed(H)]})],
+                        key=lambda x: x.ts):
+        index.apply(batch)
+    early = request("A", 1007.2)
+    assert Attributor(index).attribute(early).label is Label.ROUTING_MISS
+    late = request("A", 1008.6)
+    assert Attributor(index).attribute(late).label is not Label.ROUTING_MISS
+    v = Attributor(index).attribute(request("A", 1007.2, lookup_time_latest=1008.5))
+    assert v.label is Label.UNKNOWN_HISTORY and "routing_miss" in v.reason
+
+
+def test_a_window_reaching_more_steps_than_are_judged_is_unknown():
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    for batch in a.batches(range(0, 2 * MAX_WINDOW_STEPS), {3: [stored(H)]}):
+        index.apply(batch)
+    wide = request("A", a.ts(4) - 0.5, lookup_time_latest=a.ts(4) + MAX_WINDOW_STEPS + 0.5)
+    v = Attributor(index).attribute(wide)
+    assert v.label is Label.UNKNOWN_HISTORY and "more engine steps" in v.reason
+
+
+def test_a_hit_needs_no_window():
+    index, a = one_worker({3: [stored(H)], 10: [removed(H)]})
+    hit = chain_request("A", a.ts(9) - 0.5, [7, H, 9, 10], prompt_tokens=65, cached_tokens=64, block_size=16,
+                        lookup_time_latest=a.ts(12))
+    assert Attributor(index).attribute(hit).label is Label.HIT
+
+
+def test_a_step_where_the_engine_would_have_hit_the_block_is_not_the_lookup():
+    """The request's own recompute stores H in its lookup step (10); a window reaching step 11
+    sees H resident there, with the block before it: vLLM's full-attention lookup would then
+    have hit H, and the engine said it did not -- so the lookup was not in step 11, and the
+    window's other steps agree on no_match (ATTRIBUTION.md rule 4, across a window)."""
+    index, a = one_worker({2: [stored(PARENT)], 10: [stored(H, parent=PARENT)]})
+    own = request("A", a.ts(9) - 0.5, lookup_time_latest=a.ts(11) - 0.5)  # steps 9, 10 and 11
+    assert Attributor(index).attribute(msgspec.structs.replace(own, lookup_time=a.ts(11) - 0.5)).label \
+        is Label.RESIDENT_MISS  # what step 11 alone would say
+    assert Attributor(index).attribute(own).label is Label.NO_MATCH
+
+
+def test_a_step_where_the_block_was_held_but_one_before_it_was_not_stays_possible():
+    """H held in step 9 but the block before it was not: the engine's lookup would have stopped
+    before H anyway, so step 9 is not ruled out, and its resident_miss against step 10's
+    evicted leaves the request unknown."""
+    index, a = one_worker({3: [stored(H, parent=PARENT)], 10: [removed(H)]})
+    v = Attributor(index).attribute(request("A", a.ts(9) - 0.5, lookup_time_latest=a.ts(10) - 0.1))
+    assert v.label is Label.UNKNOWN_HISTORY
+    index, a = one_worker({2: [stored(PARENT)], 3: [stored(H, parent=PARENT)], 10: [removed(H)]})
+    v = Attributor(index).attribute(request("A", a.ts(9) - 0.5, lookup_time_latest=a.ts(10) - 0.1))
+    assert v.label is Label.EVICTED and v.removed_seq == 10  # step 9 would have hit H
