@@ -77,10 +77,11 @@ class Attributor:
         step it was and the answer is unknown.
 
         A step is not possible where the engine's own hit rule contradicts its count: for a
-        request that read the cache (`read_the_cache`: one that skips it misses what it holds), a
-        single full-attention group that held every block up to and including the first
-        missed one would have hit it (a `resident_miss` there is the request's own recompute,
-        or another store inside the window, seen from a step after it: ATTRIBUTION.md rule 4)."""
+        request that read the cache (`read_the_cache`: one that skips it misses what it holds),
+        KV-cache groups that held what vLLM's hit rule needs for a hit through the first missed
+        block would have given it (`ResidencyIndex.engine_would_hit`; a `resident_miss` there
+        is the request's own recompute, or another store inside the window, seen from a step
+        after it: ATTRIBUTION.md rule 4)."""
         t, latest = facts.lookup_time, facts.lookup_time_latest
         stamps = self.index.step_stamps_between(t, latest, MAX_WINDOW_STEPS)
         if stamps is None:
@@ -92,7 +93,8 @@ class Attributor:
             judged = verdict if at == t else self._attribute_at(msgspec.structs.replace(facts, lookup_time=at))
             if (judged.label is Label.RESIDENT_MISS and read_cache and facts.worker is not None
                     and facts.block_hashes is not None
-                    and self.index.full_attention_would_hit(facts.worker, at, facts.block_hashes, blocks)):
+                    and self.index.engine_would_hit(facts.worker, at, facts.block_hashes, blocks,
+                                                    (facts.prompt_tokens - 1) // facts.block_size, facts.block_size)):
                 continue  # the engine would have hit the block here: not where it looked up
             if kept is None:
                 kept = judged

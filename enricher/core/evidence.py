@@ -402,15 +402,16 @@ def read_the_cache(facts: RequestFacts) -> bool:
 def _no_copy_preceded(view: EpochView, facts: RequestFacts, step_seq: int) -> bool:
     """Two copies of the first missed block were stored in the lookup's step; had one been
     stored before the lookup (a request that skips the cache, scheduled first), the block
-    would have been held when the request looked. A request that hit a block read the cache
-    (one that skips it, e.g. for prompt logprobs, reports none), and with a single
-    full-attention group that held every block before the missed one at that step, its prefix
-    lookup would then have hit that one too -- it did not, so no copy preceded the lookup, and
-    the step's stores came after it. A request that hit nothing may have skipped the cache,
-    unless its spans say it did not: otherwise the doubt stays."""
+    would have been held when the request looked. For a request that read the cache
+    (`read_the_cache`), the engine's hit rule over what its groups held, with that block held
+    besides, would then have given a longer hit than it reported -- so no copy preceded the
+    lookup, and the step's stores came after it. Otherwise (a request that may have skipped
+    the cache, a group the rule does not model) the doubt stays."""
     chain, b = facts.block_hashes, facts.block_size
-    return (chain is not None and not view.hybrid and read_the_cache(facts)
-            and view.holds_leading_run(chain, facts.cached_tokens // b, step_seq))
+    if chain is None or not read_the_cache(facts):
+        return False
+    k = facts.cached_tokens // b
+    return view.engine_would_hit(chain, k + 1, (facts.prompt_tokens - 1) // b, b, step_seq, assume_held=k)
 
 
 def gather(

@@ -38,6 +38,7 @@ from array import array
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from kvmiss.enricher.core.divergence import SiblingRegistry
+from kvmiss.enricher.core.hit_rule import hybrid_hit
 from kvmiss.enricher.core.membership import Joined, Membership
 from kvmiss.enricher.core.residency_table import (
     SEQ_SPAN, Applier, BlockTable, bisect_left, bloom_add, warn_if_not_accelerated,
@@ -729,21 +730,43 @@ class EpochView:
         stored, removed, by_clear = found
         return Interval(stored, self.ts_of(stored), removed, self.ts_of(removed), by_clear)
 
-    def holds_leading_run(self, chain: Sequence[int], blocks: int, step_seq: int) -> bool:
-        """Whether each of the first ``blocks`` hashes of ``chain`` was held on GPU in the
-        primary group at a lookup in batch ``step_seq``: a counted copy (a lower bound: no
-        uncounted store is believed) stored within the run of that step, not removed in or
-        before it."""
+    def held(self, group: int, keys: Sequence[int], step_seq: int) -> list[bool]:
+        """For each key, whether a counted copy of it (stored within the run of batch
+        ``step_seq``, not removed in or before it) was on the GPU of ``group`` at a lookup in
+        that step."""
         run = self.run_at_step(step_seq)
-        if run is None or len(chain) < blocks:
+        if run is None:
+            return [False for _ in keys]
+        return [node is not None and node.stored_seq is not None and node.stored_seq >= run.start_seq
+                and (node.removed_seq is None or node.removed_seq > step_seq)
+                for node in self.residency(group, keys, step_seq)]
+
+    def engine_would_hit(self, chain: Sequence[int], blocks: int, limit: int, block_size: int,
+                         step_seq: int, assume_held: int | None = None) -> bool:
+        """Whether the engine's prefix lookup in batch ``step_seq``, allowed at most ``limit``
+        blocks (its lookup limit), would have hit at least ``blocks`` blocks of ``chain``, by
+        its hit rule over what every GPU group provably held (`held`;
+        `enricher/core/hit_rule.py`: a window group may accept a longer hit while refusing a
+        shorter one). ``assume_held``: a block of ``chain`` taken as held in the primary group
+        besides (a hypothesis to refute: the engine's hit only grows with what is held). False
+        whenever that is not proven: a group of a kind or block size the rule does not model."""
+        limit = min(limit, len(chain))
+        if blocks <= 0 or limit < blocks:
+            return blocks <= 0
+        if not self.hybrid:  # full attention: the leading run
+            held = self.held(self.primary_group, chain[:blocks], step_seq)
+            if assume_held is not None and 0 <= assume_held < blocks:
+                held[assume_held] = True
+            return all(held)
+        groups = [self.groups.get(t.group) for t in self.tiers if t.medium == GPU]
+        if any(g is None or g.block_size != block_size or (not g.full_attention and g.window_blocks is None)
+               for g in groups):
             return False
-        for key in chain[:blocks]:
-            node = self.interval_as_of(key, GPU, step_seq)
-            if node is None or node.stored_seq is None or node.stored_seq < run.start_seq:
-                return False
-            if node.removed_seq is not None and node.removed_seq <= step_seq:
-                return False
-        return True
+        held = {g.idx: self.held(g.idx, chain[:limit], step_seq) for g in groups}  # type: ignore[union-attr]
+        if assume_held is not None and 0 <= assume_held < limit and self.primary_group in held:
+            held[self.primary_group][assume_held] = True
+        hit, _ = hybrid_hit(groups, lambda group, i: held[group][i], limit)  # type: ignore[arg-type]
+        return hit >= blocks
 
     @property
     def applied_through_ts(self) -> float | None:
@@ -883,17 +906,17 @@ class ResidencyIndex:
     def reaches(self, view: EpochView, t: float) -> bool:
         return view.reaches(t, self.tail_margin_s)
 
-    def full_attention_would_hit(self, worker: str, t: float, chain: Sequence[int], blocks: int) -> bool:
-        """Whether vLLM's prefix lookup on ``worker`` at ``t`` would have hit at least
-        ``blocks`` blocks of ``chain``: a single full-attention group (its hit is the leading
-        run of held blocks) held each of them (`EpochView.holds_leading_run`). False whenever
-        that is not proven (another group kind may cut a hybrid's hit; history not there)."""
+    def engine_would_hit(self, worker: str, t: float, chain: Sequence[int], blocks: int, limit: int,
+                         block_size: int) -> bool:
+        """Whether the engine's prefix lookup on ``worker`` at ``t`` would have hit at least
+        ``blocks`` blocks of ``chain`` (`EpochView.engine_would_hit`). False whenever that is
+        not proven (history not there, an uncertain epoch, a group the rule does not model)."""
         for view in self.views(worker):
             if view.first_ts is None or view.first_ts > t:
                 continue
             step = view.lookup_step(t, self.tail_margin_s)
-            return (step is not None and view.epoch_certain and not view.hybrid
-                    and view.holds_leading_run(chain, blocks, step))
+            return (step is not None and view.epoch_certain
+                    and view.engine_would_hit(chain, blocks, limit, block_size, step))
         return False
 
     def step_stamps_between(self, lo: float, hi: float, limit: int) -> list[float] | None:

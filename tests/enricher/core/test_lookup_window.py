@@ -11,7 +11,7 @@ wrong step."""
 from __future__ import annotations
 
 import msgspec
-from fleet_builders import PARENT, H, WorkerFeed, chain_request, removed, request, stored
+from fleet_builders import PARENT, H, WorkerFeed, chain_request, full_stored, removed, request, stored, window_stored
 
 from kvmiss.enricher.core.attribution import MAX_WINDOW_STEPS, Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
@@ -103,3 +103,22 @@ def test_a_step_where_the_block_was_held_but_one_before_it_was_not_stays_possibl
     index, a = one_worker({2: [stored(PARENT)], 3: [stored(H, parent=PARENT)], 10: [removed(H)]})
     v = Attributor(index).attribute(request("A", a.ts(9) - 0.5, lookup_time_latest=a.ts(10) - 0.1))
     assert v.label is Label.EVICTED and v.removed_seq == 10  # step 9 would have hit H
+
+
+def test_on_a_hybrid_the_window_groups_rule_decides_whether_the_engine_would_have_hit():
+    """A Gemma-3-style hybrid (window group 0, full attention 1): a 200-token prompt recomputes
+    its six blocks in step 10, the window group keeping its last window (blocks 4 and 5). From
+    step 11 on, vLLM's coordinator would hit all six (the full group's run, the window's
+    rightmost two contiguous blocks), though a search limited to block 0 would find no
+    window: so step 11, where kvmiss alone says resident_miss, is not the lookup of a request
+    that read the cache. One that may have skipped it stays unknown."""
+    chain = [0xC0DE_0000 + i for i in range(6)]
+    index, a = one_worker({2: [window_stored(0xAAAA), full_stored(0xBBBB)],
+                           10: [full_stored(*chain), window_stored(*chain[4:])]})
+    facts = chain_request("A", a.ts(9) - 0.5, chain, prompt_tokens=200, cached_tokens=0,
+                          lookup_time_latest=a.ts(11) - 0.5, skip_reading_prefix_cache=False)
+    assert Attributor(index).attribute(msgspec.structs.replace(
+        facts, lookup_time=a.ts(11) - 0.5, lookup_time_latest=None)).label is Label.RESIDENT_MISS
+    assert Attributor(index).attribute(facts).label is Label.NO_MATCH
+    maybe_skipped = msgspec.structs.replace(facts, skip_reading_prefix_cache=None)
+    assert Attributor(index).attribute(maybe_skipped).label is Label.UNKNOWN_HISTORY
