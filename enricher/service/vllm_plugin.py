@@ -133,7 +133,9 @@ def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | N
     """The span attributes of one lookup: kvmiss's input names. The chain runs up to and
     including the first missed block (``cached // block_size``). It is left out when nothing
     was missed (cached tokens at the lookup limit ``(N - 1) // B * B``: kvmiss needs no chain
-    for ``hit`` / ``lookup_limit``) and when longer than ``MAX_CHAIN_BLOCKS``."""
+    for ``hit`` / ``lookup_limit``) -- except in full report mode, where the chain the request
+    hit is what tells the engine's re-announcement of it from a copy -- and when longer than
+    ``MAX_CHAIN_BLOCKS``."""
     attrs: dict[str, Any] = {
         ATTR_REQUEST_ID: record.request_id,
         ATTR_PROMPT_TOKENS: record.num_tokens,
@@ -152,7 +154,9 @@ def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | N
     if block_size > 0 and record.block_hashes is not None:
         wanted = record.cached_tokens // block_size + 1
         limit = (record.num_tokens - 1) // block_size * block_size
-        if record.cached_tokens < limit and wanted <= MAX_CHAIN_BLOCKS:
+        if record.cached_tokens >= limit:
+            wanted = record.cached_tokens // block_size if record.report_mode == "full" else 0
+        if 0 < wanted <= MAX_CHAIN_BLOCKS:
             chain = record.block_hashes[:wanted]  # atomic slice of an append-only list
             if chain:
                 attrs[ATTR_BLOCK_HASHES] = [otel_int(h) for h in chain]

@@ -700,3 +700,16 @@ def test_whether_a_request_skips_reading_the_prefix_cache_is_on_its_lookup_span(
     assert plugin.lookup_attributes(record, block_size=16, dp_rank=None)["kvmiss.skip_reading_prefix_cache"] is False
     assert "kvmiss.skip_reading_prefix_cache" not in plugin.lookup_attributes(
         record._replace(skip_reading=None), block_size=16, dp_rank=None)
+
+
+def test_a_hit_in_full_report_mode_carries_the_chain_it_hit():
+    """A hit needs no chain for its own label, but in full report mode the engine re-announces
+    the chain it hit, and only that chain on the request's span tells the re-announcement from
+    a copy (without it, a real-engine run in plugin mode confirmed 8 of 78 re-announced blocks,
+    and a later miss needing one of them stayed unknown)."""
+    hit = plugin.LookupRecord("r1", 0, 1, 200, 192, list(range(1, 7)), (), None, "full")
+    assert plugin.lookup_attributes(hit, block_size=32, dp_rank=None)["kvmiss.block_hashes"] == [1, 2, 3, 4, 5, 6]
+    incremental = hit._replace(report_mode=None)
+    assert "kvmiss.block_hashes" not in plugin.lookup_attributes(incremental, block_size=32, dp_rank=None)
+    miss = hit._replace(cached_tokens=64)
+    assert plugin.lookup_attributes(miss, block_size=32, dp_rank=None)["kvmiss.block_hashes"] == [1, 2, 3]
