@@ -485,7 +485,7 @@ static inline int resident_key(const BlockTable *t, uint64_t key) {
  * whose last block is already resident -- vLLM's `kv_cache_report_mode: "full"` re-announces
  * a reused chain that way, and on the wire it is a recomputed duplicate too -- and a store of
  * fewer tokens than its group's blocks (a partial-block store). A store with no hash at all
- * (vLLM's Mamba state group: token ids only) is left to Python too, which counts it. */
+ * (vLLM's range of null blocks in a window or Mamba group) is left to Python, which counts it. */
 static inline int leave_store(const BlockTable *t, int root, unsigned long block_size, uint64_t last, int any) {
     if (block_size && t->block_size && block_size < t->block_size)
         return 1;

@@ -371,8 +371,9 @@ class EpochView:
         if cls is BlockStored:
             hashes = event.block_hashes
             if not hashes:
-                # No hash to keep (vLLM's Mamba state group sometimes stores its state as token
-                # ids only): nothing the index can hold or a lookup can name. Counted.
+                # No hash to keep: vLLM (0.32, `BlockPool.cache_full_blocks`) skips null blocks
+                # but still sends the range's token ids when a sliding-window or Mamba group's
+                # blocks there are all null. Nothing the index can hold or a lookup can name.
                 self.counts[("stores_without_hashes", self.worker)] += 1
                 return
             if (self.re_announcements and event.parent_block_hash is None and hashes and table.copies(hashes[-1])

@@ -24,8 +24,9 @@ PRUNE_EVERY_S = 1.0
 PRUNE_SHARE = 20_000
 # Index anomalies logged once per worker when first seen (they are counted on /metrics).
 LOGGED_ONCE = {
-    "stores_without_hashes": "worker %s: a BlockStored with no block hash (vLLM's Mamba state group stores its "
-                             "state as token ids only): skipped, counted in kvmiss_index_stores_without_hashes",
+    "stores_without_hashes": "worker %s: a BlockStored with no block hash (vLLM caching a range whose blocks are "
+                             "all null in a sliding-window or Mamba group sends token ids only): nothing stored; "
+                             "counted in kvmiss_index_stores_without_hashes",
 }
 
 log = logging.getLogger("kvmiss.index")

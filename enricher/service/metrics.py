@@ -320,8 +320,9 @@ class KvmissCollector(Collector):
                 "(vLLM #49125: a stale partial hash re-registered after its block's promotion): applied as new "
                 "stores, never as the removed interval going on.", labels=["worker"]),
             "stores_without_hashes": CounterMetricFamily(
-                "kvmiss_index_stores_without_hashes", "BlockStored events with no block hash (vLLM's Mamba state "
-                "group sometimes stores its state as token ids only): nothing to hold or look up; skipped.",
+                "kvmiss_index_stores_without_hashes", "BlockStored events with no block hash (vLLM caching a range "
+                "whose blocks are all null in a sliding-window or Mamba group sends its token ids only): nothing "
+                "to hold or look up; skipped.",
                 labels=["worker"]),
         }
         for (name, worker), n in sorted(self.index_anomalies().items()):

@@ -188,8 +188,9 @@ def test_the_hybrid_with_full_reports_and_8_in_flight_gets_no_wrong_label_over_i
 
 
 def test_the_mamba_groups_stores_without_a_hash_are_counted_logged_once_and_skipped(tmp_path, caplog):
-    """vLLM's Mamba state group (the Qwen3-Next-style capture) sometimes stores its state as a
-    BlockStored with 96 token ids and no hash: nothing to hold. Each is counted per worker
+    """vLLM's Mamba state group (the Qwen3-Next-style capture) sends a BlockStored with 96 token
+    ids and no hash where its blocks in the cached range are all null: nothing to hold. Each is
+    counted per worker
     (``kvmiss_index_stores_without_hashes``) and logged once, the group is still learned from
     it, and the run's batches all apply."""
     import logging

@@ -471,6 +471,9 @@ class TestWithRealVllm:
         assert [h & (2**64 - 1) for h in chain(cold)] == [convert(cold.block_hashes[0])]
         assert [h & (2**64 - 1) for h in chain(partial)] == [convert(h) for h in partial.block_hashes[:3]]
         assert chain(partial)[:2] == [plugin.otel_int(h) for h in cold.block_hashes[:2]]
+        # vLLM's own requests say whether they skip reading the cache (no prompt logprobs: no)
+        assert cold.skip_reading is False and plugin.lookup_attributes(
+            cold, block_size=32, dp_rank=0)["kvmiss.skip_reading_prefix_cache"] is False
 
     def test_a_full_pool_records_no_admission(self, vllm_manager_factory):
         make_manager, make_request, _ = vllm_manager_factory
