@@ -286,6 +286,14 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # band of their join or departure, or a hold before they joined) and that held or may
     # have held H: neither holders nor ruled out (docs/HISTORY.md, "Fleets that change").
     unsettled_members: tuple[str, ...] = ()
+    # The chosen worker's engine clock went back around t (a wall-clock step): the same clock
+    # readings occur before and after the step, so which of its batches came before t is not
+    # established, nor how t compares with any other event time (like a clock out of bound,
+    # no index claim stands). How far it went back, in seconds; None: t can be placed.
+    clock_step_s: float | None = None
+    # Other workers with a record of H (or no known-empty point) whose engine clock went back
+    # around t: neither holders nor ruled out, like `unresolved_holders`.
+    stepped_workers: tuple[str, ...] = ()
     # KV-cache groups (a hybrid model: several groups, or one that is not full attention).
     # ``group``: the group the facts above were read in -- the one that limited the hit
     # (None: one full-attention group, nothing to choose). ``window_limit``: that group is

@@ -101,6 +101,9 @@ class _Held(NamedTuple):
 
 
 _NOT_HELD = _Held()
+# The worker's engine clock went back around t (`EpochView.clock_steps`): which of its
+# batches came before t is not established, so its records prove nothing either way.
+_STEPPED = _Held(unresolved=History.GAP)
 
 
 def _held_on(view: EpochView, key: int, medium: str, step_seq: int, run: Run) -> _Held:
@@ -141,6 +144,8 @@ def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | Non
     step_seq = view.lookup_step(t, margin)
     if step_seq is None:
         return None, _Held(unresolved=History.LAGGING)  # a store may be on its way
+    if view.clock_steps and view.clock_step_at(t, margin) is not None:
+        return None, _STEPPED
     run = view.run_at_step(step_seq)
     if run is None or _quarantined(view, run, step_seq):
         return None, _Held(unresolved=History.QUARANTINED)
@@ -173,6 +178,8 @@ def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MAR
         return False
     if t < view.runs[-1].start_ts:
         return False
+    if view.clock_steps and view.clock_step_at(t, margin) is not None:
+        return False  # which known-empty point came before t is not established either
     for table in view.media.values():
         if key in table:
             return False
@@ -193,8 +200,8 @@ def _absence_window(view: EpochView | None, margin: float) -> tuple[float, float
     of it (`_clean_without`'s key-independent conditions): from the latest of its known-empty
     point, its current run's start, its first batch and its retention horizon, through where
     its history is proven. None when no t qualifies."""
-    if view is None or not view.epoch_certain or not view.runs or view.unproven:
-        return None  # (stores not counted as copies: judged one by one, `_worker_held`)
+    if view is None or not view.epoch_certain or not view.runs or view.unproven or view.clock_steps:
+        return None  # (stores not counted as copies, a clock that went back: judged one by one)
     since, through = view.known_empty_since, view.reached_through(margin)
     if since is None or through is None:
         return None
@@ -319,8 +326,12 @@ class _Unsettled(str):
     """A worker whose membership at t decides, and is not settled (`Standing`)."""
 
 
+class _Stepped(str):
+    """A worker with a record of the block whose engine clock went back around t."""
+
+
 def _other_worker(index: ResidencyIndex, worker: str, key: int, t: float,
-                  margin: float) -> Holder | History | _Unsettled | None:
+                  margin: float) -> Holder | History | _Unsettled | _Stepped | None:
     """One other worker (its clock in bound): a holder of H at t, why it cannot be ruled
     out, or None when it provably did not hold H or was not a fleet member at t.
 
@@ -338,7 +349,7 @@ def _other_worker(index: ResidencyIndex, worker: str, key: int, t: float,
 
 
 def _member_worker(index: ResidencyIndex, worker: str, key: int, t: float,
-                   margin: float) -> Holder | History | None:
+                   margin: float) -> Holder | History | _Stepped | None:
     """`_other_worker` for a fleet member at t."""
     view = index.current.get(worker)
     first_ts = view.first_ts if view is not None else None
@@ -354,16 +365,20 @@ def _member_worker(index: ResidencyIndex, worker: str, key: int, t: float,
     medium, held = _worker_held(view, key, t, margin=margin)
     if held.node is not None:
         return Holder(worker, medium, held.node.stored_ts)  # type: ignore[arg-type]
+    if held is _STEPPED:
+        return _Stepped(worker)
     return held.unresolved
 
 
 def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
            unsubscribed: Collection[str] = (), fleet: FleetRound | None = None,
-           ) -> tuple[tuple[Holder, ...], tuple[History, ...], tuple[ClockOffset, ...], tuple[str, ...]]:
+           ) -> tuple[tuple[Holder, ...], tuple[History, ...], tuple[ClockOffset, ...], tuple[str, ...],
+                      tuple[str, ...]]:
     """Every other tracked worker that counts at t: who provably held H at t, why the rest
     that may have cannot be ruled out, which were not consulted because their clock is out of
-    bound, and which held or may have held H while their membership at t is unsettled. All
-    four decide whether a label below routing_miss is provable. Workers of the fleet that are
+    bound, which held or may have held H while their membership at t is unsettled, and which
+    have a record of H while their engine clock went back around t. All five decide whether a
+    label below routing_miss is provable. Workers of the fleet that are
     not subscribed to (``unsubscribed``: named by spans, absent from the index) may have held
     H: each is unresolved, never absent. ``fleet``: the round's `FleetRound` (built here when
     not given: O(workers))."""
@@ -372,6 +387,7 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
     holders: list[Holder] = []
     unresolved: list[History] = [History.UNTRACKED for worker in unsubscribed if worker != chosen]
     unsettled: list[str] = []
+    stepped: list[str] = []
     margin, membership = index.tail_margin_s, index.membership
     changed = membership.spans or membership.released  # else every worker is a member at every t
     unseen = t + membership.band_s > membership.known_through  # a change near t may not be seen yet
@@ -385,10 +401,12 @@ def _fleet(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clock
             holders.append(found)  # type: ignore[arg-type]
         elif cls is _Unsettled:
             unsettled.append(str(found))
+        elif cls is _Stepped:
+            stepped.append(str(found))
         elif found is not None:
             unresolved.append(found)  # type: ignore[arg-type]
     return (tuple(holders), tuple(unresolved), fleet.skewed_at(chosen, t) if fleet.skewed else (),
-            tuple(unsettled))
+            tuple(unsettled), tuple(stepped))
 
 
 def read_the_cache(facts: RequestFacts) -> bool:
@@ -453,12 +471,15 @@ def gather(
     step_seq = view.lookup_step(t, margin)
     if step_seq is None:
         return Evidence(history=History.LAGGING, **base)
+    stepped_back = view.clock_step_at(t, margin) if view.clock_steps else None
+    if stepped_back is not None:  # t cannot be placed among this worker's batches
+        return Evidence(history=History.CONTINUOUS, clock_step_s=stepped_back, **base)
     base["lookup_step_seq"] = step_seq
     run = view.run_at_step(step_seq)
     assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
-    holders, unresolved, skewed, unsettled = (
-        _fleet(index, worker, key, t, clocks, unsubscribed, fleet) if key is not None else ((), (), (), ()))
+    holders, unresolved, skewed, unsettled, stepped = (
+        _fleet(index, worker, key, t, clocks, unsubscribed, fleet) if key is not None else ((), (), (), (), ()))
     tiers: list[TierHolding] = []
     for medium in view.media:
         if medium != GPU and key is not None:
@@ -468,7 +489,7 @@ def gather(
             elif held.unresolved is not None:
                 unresolved += (held.unresolved,)
     base.update(holders=holders, tiers=tuple(tiers), unresolved_holders=unresolved,
-                skewed_workers=skewed, unsettled_members=unsettled)
+                skewed_workers=skewed, unsettled_members=unsettled, stepped_workers=stepped)
     if _quarantined(view, run, step_seq):
         return Evidence(history=History.QUARANTINED, gap_from_seq=run.gap_from_seq,
                         gap_to_seq=run.gap_to_seq, **base)

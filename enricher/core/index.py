@@ -34,6 +34,7 @@ AllBlocksCleared is O(resident blocks), as in every peer implementation, and rar
 from __future__ import annotations
 
 import collections
+import logging
 from array import array
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
@@ -49,6 +50,7 @@ from kvmiss.schemas.fleet import FleetChange
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 GPU = "GPU"
+log = logging.getLogger("kvmiss.index")
 
 # How long after a lookup a tail confirmation must have been sent to prove history reached
 # it (schemas/config.py: history.clock_skew_s + history.publish_delay_s).
@@ -319,6 +321,16 @@ class EpochView:
         self.same_step_copies: dict[object, int] = {}
         self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
         self.last_ts: float | None = None
+        # Engine times at which a lookup cannot be placed among this lifetime's batches: the
+        # engine clock went back (a wall-clock step), so the same readings occur before and
+        # after the step. (low, high): the first batch stamped after the step, and the latest
+        # stamp before it. From the step on, batches are logged at ``high`` until the clock
+        # passes it again, so the log stays in order and a bisect in it stays valid; evidence
+        # widens each window by the tail margin (a lookup precedes its batch by at most that)
+        # and answers unknown inside it (`clock_step_at`). Dropped by `ResidencyIndex.prune`
+        # once a window ends before the retention horizon less the margin.
+        self.clock_steps: list[tuple[float, float]] = []
+        self._engine_ts: float | None = None  # the last batch's own stamp
         self.tail: tuple[int, float] | None = None  # (seq, kvmiss time) of the latest confirmation
         self._applier = None if Applier is None else Applier(
             self._tables, self.same_step_copies, BlockStored, BlockRemoved,
@@ -329,9 +341,15 @@ class EpochView:
 
     def apply(self, batch: AppliedBatch) -> None:
         seq, ts = batch.seq, batch.ts
+        engine_ts, self._engine_ts = self._engine_ts, ts
+        if engine_ts is not None and ts < engine_ts:
+            self._clock_stepped_back(ts)
+        if self.last_ts is not None and ts < self.last_ts:
+            ts = self.last_ts  # the log stays in order (see `clock_steps`)
         runs = self.runs
         if not runs or batch.run_start_seq != runs[-1].start_seq:
             runs.append(Run(batch))
+            runs[-1].start_ts = ts
             self.known_empty_since = ts if batch.run_start is RunStart.EPOCH_START else None
         else:
             runs[-1].last_seq = seq
@@ -410,6 +428,33 @@ class EpochView:
             table.remove(hashes, seq, ts)
             if gpu_group0:
                 self._removed_in_python += len(event.block_hashes)
+
+    def _clock_stepped_back(self, ts: float) -> None:
+        """A batch stamped before the one applied last: the engine clock went back."""
+        high = self.last_ts if self.last_ts is not None else ts
+        steps = self.clock_steps
+        if steps and ts <= steps[-1][1]:  # inside the last window: one ambiguous stretch
+            steps[-1] = (min(steps[-1][0], ts), max(steps[-1][1], high))
+        else:
+            steps.append((ts, high))
+        self.counts[("clock_steps_back", self.worker)] += 1
+        if self.counts[("clock_steps_back", self.worker)] == 1:
+            log.warning("worker %s: engine clock went back %.3f s (a batch stamped before the one before it): "
+                        "lookups between the two stamps cannot be ordered against its events and are "
+                        "unknown_history (counted: kvmiss_index_clock_steps_back_total)", self.worker, high - ts)
+
+    def clock_step_at(self, t: float, margin: float) -> float | None:
+        """How far the engine clock went back, when ``t`` lies within ``margin`` of a window
+        of `clock_steps`; None when ``t`` can be placed among this lifetime's batches."""
+        for low, high in reversed(self.clock_steps):
+            if low - margin <= t <= high + margin:
+                return high - low
+        return None
+
+    def forget_clock_steps(self, before_ts: float) -> None:
+        """Drop the windows that end before ``before_ts`` (older lookups are aged out)."""
+        if self.clock_steps and self.clock_steps[0][1] < before_ts:
+            self.clock_steps = [w for w in self.clock_steps if w[1] >= before_ts]
 
     def holds_seq(self, seq: int) -> bool:
         """Whether batch ``seq`` fits this view's residency tables (see `SEQ_SPAN`)."""
@@ -967,6 +1012,7 @@ class ResidencyIndex:
         dropped, self.prune_pending = 0, False
         for view in views:
             forgotten = view.pruned.forgotten
+            view.forget_clock_steps(horizon - self.tail_margin_s)
             lost, limit = view.prune(horizon, limit)
             dropped += lost
             self.aged_out_forgotten += view.pruned.forgotten - forgotten

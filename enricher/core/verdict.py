@@ -16,9 +16,11 @@ claim (tier residency, another worker's hold, the chosen worker's own history) p
 times against the lookup time t, stamped on that worker's engine clock, and tail
 confirmations on kvmiss's; with the engine clock out of the configured bound
 (``Evidence.clock``, `ClockOffset.within_bound`) none of them stands, so the answer is
-``unknown_history`` (reason "clock skew") right after the span-only transfer_failure. Other
-workers out of bound (``Evidence.skewed_workers``) were not consulted: like unresolved
-holders, they leave every label below routing_miss unprovable.
+``unknown_history`` (reason "clock skew") right after the span-only transfer_failure; so is
+it when the chosen worker's engine clock went back around t (``Evidence.clock_step_s``,
+reason "clock step"). Other workers out of bound (``Evidence.skewed_workers``) were not
+consulted, and others whose clock went back around t (``Evidence.stepped_workers``) cannot
+be placed: like unresolved holders, they leave every label below routing_miss unprovable.
 
 It is pure (no index, socket, clock or logging) and never raises on bad input: facts that
 cannot be judged are an ``unknown_history`` verdict, because a wrong cause is worse than an
@@ -162,6 +164,11 @@ def attribute(
     if evidence.clock is not None and not evidence.clock.within_bound:
         return _verdict(Label.UNKNOWN_HISTORY, _clock_reason(evidence.clock), **from_request,
                         history=evidence.history, epoch=evidence.epoch)
+    if evidence.clock_step_s is not None:  # the same, from a clock that went back around t
+        return _verdict(Label.UNKNOWN_HISTORY,
+                        f"clock step: the chosen worker's engine clock went back {evidence.clock_step_s:.3f} s "
+                        "around the lookup, so its events cannot be ordered against the lookup time",
+                        **from_request, history=evidence.history, epoch=evidence.epoch)
 
     # A hybrid model whose limiting group follows a hit rule kvmiss does not model: no label
     # below can be computed as if that group were full attention (ATTRIBUTION.md rule 8).
@@ -220,7 +227,7 @@ def attribute(
     if evidence.unresolved_holders:
         return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence),
                         **{**known, "history": evidence.unresolved_holders[0]})
-    if evidence.skewed_workers or evidence.unsettled_members:
+    if evidence.skewed_workers or evidence.unsettled_members or evidence.stepped_workers:
         return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence), **known)
 
     # resident_miss / evicted / no_match: with continuous history, where H stood on the
@@ -390,10 +397,12 @@ def _clock_reason(clock: ClockOffset) -> str:
 
 
 def _unresolved_reason(evidence: Evidence) -> str:
-    count = len(evidence.unresolved_holders) + len(evidence.skewed_workers) + len(evidence.unsettled_members)
+    count = (len(evidence.unresolved_holders) + len(evidence.skewed_workers) + len(evidence.unsettled_members)
+             + len(evidence.stepped_workers))
     why = sorted({_UNRESOLVED_TEXT.get(h, h.value) for h in evidence.unresolved_holders}
                  | ({"with a clock beyond the skew bound"} if evidence.skewed_workers else set())
-                 | ({"whose fleet membership at lookup is not settled"} if evidence.unsettled_members else set()))
+                 | ({"whose fleet membership at lookup is not settled"} if evidence.unsettled_members else set())
+                 | ({"whose engine clock went back around it"} if evidence.stepped_workers else set()))
     return (
         f"whether another worker held the first missed block at lookup is not established "
         f"({count} stream{'s' if count > 1 else ''} {', '.join(why)}), so routing cannot be ruled out"

@@ -55,7 +55,7 @@ class KvmissCollector(Collector):
         clock_bounds: tuple[float, float] | None = None,
         intake: Callable[[], Mapping[str, int]] = dict,
         endpoint: Callable[[], Mapping[str, int]] = dict,
-        index_feed: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        index_feed: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
         aged_out: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
         index_anomalies: Callable[[], Mapping[tuple[str, str], int]] = dict,
         records: RequestRecords | None = None,
@@ -70,7 +70,7 @@ class KvmissCollector(Collector):
         self.exports = exports  # the service's ExportQueues
         self.intake = intake  # the OTLP receivers' counters and gauges (receiver.Receivers)
         self.endpoint = endpoint  # the metrics listener's own counters (listener.HttpListener)
-        self.index_feed = index_feed  # (batches applied to the index, batches waiting to be)
+        self.index_feed = index_feed  # (batches applied to the index, waiting to be, refused as stale)
         self.aged_out = aged_out  # (blocks remembered, their bytes, blocks forgotten so far)
         self.index_anomalies = index_anomalies  # ResidencyIndex.anomalies: (name, worker) -> count
         self.records = records  # the request-records file writer, when [export] request_records is set
@@ -281,9 +281,13 @@ class KvmissCollector(Collector):
     def _index(self) -> Iterator[Metric]:
         """The collector-to-index hand-over: a stream's batch counts as applied when the
         collector thread passes it on; these say when the index itself took it."""
-        applied, pending = self.index_feed()
+        applied, pending, stale = self.index_feed()
         done = CounterMetricFamily("kvmiss_index_batches_applied", "Batches the residency index has applied, all workers.")
         done.add_metric([], applied)
+        refused = CounterMetricFamily("kvmiss_index_stale_batches", "Batches the index refused: under an epoch "
+                                      "below the one a rejoined or replaced worker must use, or of a worker released "
+                                      "from the fleet (docs/HISTORY.md, Fleets that change). Never merged into a view.")
+        refused.add_metric([], stale)
         waiting = GaugeMetricFamily("kvmiss_index_batches_pending",
                                     "Batches handed over by the collector and not yet applied to the index.")
         waiting.add_metric([], pending)
@@ -298,7 +302,7 @@ class KvmissCollector(Collector):
                                    "aged_out_horizon_s: absence is then proven over the remembered window only "
                                    "(no_match, kvmiss.window_start = horizon).")
         gone.add_metric([], forgotten)
-        yield from (done, waiting, kept, size, gone)
+        yield from (done, refused, waiting, kept, size, gone)
         families = {
             "re_announced_stores": CounterMetricFamily(
                 "kvmiss_index_re_announced_stores", "BlockStored events with no parent whose last block was already "
@@ -314,6 +318,11 @@ class KvmissCollector(Collector):
             "uncounted_copies_removed": CounterMetricFamily(
                 "kvmiss_index_uncounted_copies_removed", "Removals of a block whose only copy left was one of "
                 "those stores: it was a real copy after all (a duplicate). Absence claims since it stay open.",
+                labels=["worker"]),
+            "clock_steps_back": CounterMetricFamily(
+                "kvmiss_index_clock_steps_back", "Batches stamped before the batch before them: the engine clock went "
+                "back (a wall-clock step). Lookups at the readings it repeats cannot be ordered against that "
+                "worker's events: unknown_history, reason clock step (docs/HISTORY.md, Clocks that go back).",
                 labels=["worker"]),
             "stale_partial_stores": CounterMetricFamily(
                 "kvmiss_index_stale_partial_stores", "Partial-block stores of a hash removed earlier in the epoch "

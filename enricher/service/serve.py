@@ -189,7 +189,7 @@ class Service:
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
             exports=lambda: self.queues, clock_bounds=self.clock_bounds, records=self.request_records,
             intake=lambda: {**self.receivers.stats, **self.receivers.gauges()},
-            endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed)),
+            endpoint=self.health.counts, index_feed=lambda: (self.feed.applied, len(self.feed), self.index.stale_batches),
             index_anomalies=lambda: self.index.anomalies,
             fleet=(self.fleet_stats, self.member_states), recently_departed=lambda: self._departed,
             aged_out=lambda: (*self.index.aged_out_remembered(), self.index.aged_out_forgotten),

@@ -597,7 +597,10 @@ def test_an_engine_clock_beyond_the_bound_is_refused_not_guessed_then_judged_aga
     * never a wrong label.
 
     Once w1's clock is right again (immediately when it had been behind: one quick delivery
-    bounds the offset; after the window when it had been ahead), every label is the truth.
+    bounds the offset; after the window when it had been ahead), every label is the truth --
+    except, when it had been ahead, at the readings the clock set back repeats: those lookups
+    cannot be ordered against w1's batches and are unknown_history, reason "clock step",
+    until the clock has passed them.
 
     Without the check (measured): behind, skewed-w1-D came out no_match (truth routing_miss:
     w2's store looked later than w1's lookup) and skewed-w1-late-G resident_miss (truth
@@ -663,7 +666,16 @@ def test_an_engine_clock_beyond_the_bound_is_refused_not_guessed_then_judged_aga
 
     # w1's clock is put right: judged again, every label the truth.
     engines.worker_skew["w1"] = 0.0
+    set_right = engines.clock()
     tick_until(lambda: out_of_bounds(kvmiss).get("w1") == 0.0, "w1 back within bounds")
+    if direction > 0:
+        # Set back 1.5 s, w1's clock repeats readings its batches already carry: a lookup
+        # at one of them cannot be ordered against its events (EpochView.clock_steps) until
+        # the clock passes them, plus the tail margin.
+        ask("repeated-w1-B", "w1", B, engines.mark())
+        while engines.clock() < set_right + OFF_S + BOUND_S + DELAY_S + 0.1:
+            engines.tick()
+            time.sleep(0.04)
     t2 = engines.mark()
     after = {"w1": (B, C, N, D), "w0": (A, D, B), "w2": (B, A)}
     for worker, blocks in after.items():
@@ -673,6 +685,13 @@ def test_an_engine_clock_beyond_the_bound_is_refused_not_guessed_then_judged_aga
     time.sleep(0.2)
     assert_exactly_once(sender.acked, sink)
     got = labels_at_sink(sink)
+    if direction > 0:
+        repeated = got["repeated-w1-B"]
+        if lookups["repeated-w1-B"][2] < set_right + OFF_S:  # (else the box was slow: past the repeats)
+            assert repeated["kvmiss.label"] == "unknown_history", repeated
+            assert repeated["kvmiss.reason"].startswith("clock step:"), repeated
+        else:
+            assert repeated["kvmiss.label"] in ("unknown_history", truth.label("w1", B, lookups["repeated-w1-B"][2]))
     expected = {rid: (truth.label(w, b, t_),) for rid, (w, b, t_) in lookups.items() if rid.startswith("after-")}
     labels = check_verdicts(got, expected)
     assert [labels[f"after-w1-{b}"] for b in (B, C, N, D)] == ["resident_miss", "evicted", "no_match", "routing_miss"]

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmiss.enricher.core.attribution import Attributor
-from kvmiss.enricher.core.evidence import FleetRound, _fleet, _other_worker, _Unsettled, gather
+from kvmiss.enricher.core.evidence import FleetRound, _fleet, _other_worker, _Stepped, _Unsettled, gather
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.membership import Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
@@ -29,7 +29,7 @@ KEYS = [11, 12, 13, 14, 2**64 - 1]
 def one_by_one(index, chosen, key, t, clocks):
     """The fleet view as it was: every tracked worker asked in turn (those that left the
     fleet clearly before t are not asked at all)."""
-    holders, unresolved, skewed, unsettled = [], [], [], []
+    holders, unresolved, skewed, unsettled, stepped = [], [], [], [], []
     for worker in index.tracked:
         if worker == chosen or index.membership.standing(worker, t) is Standing.DEPARTED:
             continue
@@ -42,9 +42,11 @@ def one_by_one(index, chosen, key, t, clocks):
             holders.append(found)
         elif isinstance(found, _Unsettled):
             unsettled.append(str(found))
+        elif isinstance(found, _Stepped):
+            stepped.append(str(found))
         elif found is not None:
             unresolved.append(found)
-    return tuple(holders), tuple(unresolved), tuple(skewed), tuple(unsettled)
+    return tuple(holders), tuple(unresolved), tuple(skewed), tuple(unsettled), tuple(stepped)
 
 
 class RandomFleet:
@@ -65,6 +67,8 @@ class RandomFleet:
         worker = rng.choice(sorted(self.state))
         s = self.state[worker]
         self.now += rng.choice([0.1, 0.5, 1.0, 2.0])
+        if rng.random() < 0.03:
+            self.now -= rng.choice([0.8, 3.0])  # the host's clock set back (EpochView.clock_steps)
         roll = rng.random()
         if self.churn and roll < 0.08:
             at = self.now + rng.choice([-1.0, 0.0, 0.3])
