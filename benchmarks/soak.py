@@ -16,7 +16,8 @@ Four processes, all on loopback, every loop bounded by a count and a deadline:
                                    the chosen worker, on another, evicted from it, never
                                    stored, or a hit) and carry the expected label
 
-Lookup times are taken between two fleet steps at least ``--lookback-steps`` old, so no
+Lookup times are taken just before a fleet step (between two steps, at most 10 ms before the
+second, as an engine looks up when it schedules a step) at least ``--lookback-steps`` old, so no
 request has to wait for its history: the latency measured is kvmiss's own (receive, judge,
 forward), not a deliberate history wait (kvmiss's wait histogram is reported to show it).
 503s are honoured (Retry-After) and counted; latency is taken from the accepted attempt.
@@ -35,8 +36,19 @@ time-bounded structures are given short horizons (retention 30 s, `[history]
 aged_out_horizon_s` 600 s), so a 1-hour run passes through their steady state many times.
 Warm-up defaults to retention + 1.25 x the aged-out horizon + 60 s.
 
+An engine host's clock set back (or forward) once: ``--fleet-clock-step-s -0.5
+--fleet-clock-step-at-s 300`` (its batches, lookup times and the truth follow it; kvmiss's
+clock does not). A starved host can be played too: ``--stall-every-s 40 --stall-s 5 --stall-target both``
+freezes the fleet, kvmiss or both (SIGSTOP / SIGCONT) that often. The host's wall clock is
+watched against its monotonic clock all along (engines, truth and kvmiss stamp with it): any
+jump is reported, beside how often kvmiss saw an engine clock go back. Wrong verdicts are
+printed with every kvmiss attribute and where the truth came from (lookup step, store step,
+owner).
+
 Usage: .venv/bin/python benchmarks/soak.py [--minutes 3] [--rate 20000] [--workers 4]
        [--aged-out-horizon-s 600] [--rss-growth-limit-mb 2] [--json results.json]
+       [--stall-every-s 0 --stall-s 3 --stall-target fleet|kvmiss|both]
+       [--fleet-clock-step-s 0 --fleet-clock-step-at-s 300]
 """
 
 from __future__ import annotations
@@ -100,8 +112,14 @@ def fleet_main(args: dict, conn, info_q, stop) -> None:
     start = time.time()
     steps = events = overruns = 0
     deadline = start + args["fleet_seconds"]
+    step_at, step_s = start + args["clock_step_at_s"], args["clock_step_s"]
+
+    def clock() -> float:  # the engines' host clock: set by ``clock_step_s`` once, at ``step_at``
+        now = time.time()
+        return now + step_s if step_s and now >= step_at else now
+
     while not stop.is_set() and time.time() < deadline:
-        s = time.time()
+        s = clock()
         stored_now = []
         for w, pub in enumerate(pubs):
             chain = [rng.getrandbits(63) for _ in range(blocks)]
@@ -112,9 +130,9 @@ def fleet_main(args: dict, conn, info_q, stop) -> None:
                 batch_events.append(BlockRemoved(block_hashes=chains[w][0], medium=None))
                 events += blocks
             chains[w].append(chain)
-            pub.publish(EventBatch(ts=time.time(), events=batch_events, data_parallel_rank=None))
+            pub.publish(EventBatch(ts=clock(), events=batch_events, data_parallel_rank=None))
             stored_now.append(chain)
-        e = time.time()
+        e = clock()
         info_q.put((steps, s, e, stored_now))
         steps += 1
         due = start + steps / hz
@@ -174,14 +192,20 @@ async def _sink(conn) -> None:
                     expected, got = attrs.get("soak.expect"), attrs.get("kvmiss.label")
                     if expected is None:
                         continue
-                    history = attrs.get("kvmiss.history", "") if got in UNKNOWN else ""
+                    history = ""
+                    if got in UNKNOWN:  # which history, and the reason's lead ("clock step", "aged out", ...)
+                        reason = attrs.get("kvmiss.reason", "")
+                        lead = reason.split(":")[0] if ":" in reason[:40] else ""
+                        history = attrs.get("kvmiss.history", "") + (f"; {lead}" if lead else "")
                     outcomes[(expected, got, history)] += 1
                     verdict = "exact" if got == expected else "unknown" if got in UNKNOWN else "wrong"
                     if start[0] is None:
                         start[0] = now
                     by_minute[(int((now - start[0]) // 60), verdict)] += 1
-                    if verdict == "wrong" and len(wrong_examples) < 20:
-                        wrong_examples.append((attrs.get("gen_ai.request.id"), expected, got, attrs.get("kvmiss.reason")))
+                    if verdict == "wrong" and len(wrong_examples) < 40:
+                        wrong_examples.append({k: v for k, v in attrs.items()
+                                               if k.startswith(("kvmiss.", "soak.", "gen_ai.request.id"))
+                                               and k != "kvmiss.block_hashes"} | {"judged_at": now})
         totals["spans"] += n
         totals["requests"] += 1
         if batch_id is None:
@@ -265,7 +289,11 @@ class Truth:
             k = rng.randint(lo, hi)
             if k not in self.steps or k + 1 not in self.steps:
                 return None
-            t = (self.steps[k][1] + self.steps[k + 1][0]) / 2  # between steps k and k+1
+            # Between steps k and k+1, at most 10 ms before k+1 starts: a lookup belongs to the
+            # step that follows it, and an engine makes none while it idles or stalls (a
+            # midpoint in a 3 s stall would be a lookup whose step reaches the replay ring
+            # over a second later, past [history] publish_delay_s).
+            t = max((self.steps[k][1] + self.steps[k + 1][0]) / 2, self.steps[k + 1][0] - 0.01)
             w = rng.randrange(self.workers)
             # The step containing t is k+1: its removal (the chain of step k+1-R) came before t.
             if label in ("resident_miss", "routing_miss", "hit"):
@@ -283,7 +311,7 @@ class Truth:
             else:
                 h = rng.getrandbits(63)  # never published (2^-63 odds otherwise)
         cached = 3 * BLOCK if label == "hit" else BLOCK
-        return t, w, h, cached, label
+        return t, w, h, cached, label, (k, j, owner)
 
 
 def router_request(batch_id: int, n: int, truth: Truth, rng: random.Random, args) -> tuple[bytes, int]:
@@ -304,14 +332,17 @@ def router_request(batch_id: int, n: int, truth: Truth, rng: random.Random, args
             pick = truth.pick(rng, (args.lookback_steps, args.lookback_steps + 100), args.evicted_within_steps)
             if pick is not None:
                 break
-        t, w, h, cached, label = pick if pick is not None else (time.time() - 1, 0, rng.getrandbits(63), 3 * BLOCK, "hit")
+        t, w, h, cached, label, where = pick if pick is not None else (
+            time.time() - 1, 0, rng.getrandbits(63), 3 * BLOCK, "hit", (-1, None, None))
         span = ss.spans.add(trace_id=rng.randbytes(16), span_id=rng.randbytes(8), name="route", kind=1,
                             start_time_unix_nano=now, end_time_unix_nano=now + 2_000_000)
         for key, val in (("gen_ai.request.id", f"soak-{batch_id}-{i}"), ("kvmiss.route.worker", f"w{w}"),
                          ("kvmiss.route.policy", "prefix"), ("gen_ai.usage.input_tokens", 3 * BLOCK + 1),
                          ("gen_ai.usage.cache_read.input_tokens", cached),
                          ("kvmiss.block_hashes", [7, h, 9]),
-                         ("kvmiss.lookup_time_unix_nano", int(t * 1e9)), ("soak.expect", label)):
+                         ("kvmiss.lookup_time_unix_nano", int(t * 1e9)), ("soak.expect", label),
+                         ("soak.step", where[0]), ("soak.stored_step", -1 if where[1] is None else where[1]),
+                         ("soak.owner", -1 if where[2] is None else where[2])):
             set_attr(span.attributes, key, val)
         made += 1
     return request.SerializeToString(), made
@@ -444,6 +475,15 @@ def main() -> int:
                         help="MB: RSS growth over the second half of the run after warm-up beyond this fails it")
     parser.add_argument("--baseline-batches", type=int, default=100)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--stall-every-s", type=float, default=0.0,
+                        help="freeze --stall-target (SIGSTOP) this often, as a starved host does (0: never)")
+    parser.add_argument("--stall-s", type=float, default=3.0, help="how long each freeze lasts")
+    parser.add_argument("--stall-target", choices=("fleet", "kvmiss", "both"), default="fleet")
+    parser.add_argument("--fleet-clock-step-s", type=float, default=0.0,
+                        help="set the engines' clock by this much once (negative: back), as a time sync does; "
+                             "their batches, their lookup times and the truth all follow it")
+    parser.add_argument("--fleet-clock-step-at-s", type=float, default=300.0,
+                        help="when, in seconds after the fleet starts")
     parser.add_argument("--json", help="write every sample and count here")
     args = parser.parse_args()
     seconds = args.minutes * 60
@@ -471,7 +511,8 @@ def main() -> int:
         stop_fleet = ctx.Event()
         fleet_args = {"workers": args.workers, "step_hz": args.step_hz, "blocks_per_step": args.blocks_per_step,
                       "resident_steps": args.resident_steps, "seed": args.seed,
-                      "fleet_seconds": seconds + 600}  # bounded; stopped right after the load
+                      "fleet_seconds": seconds + 600,  # bounded; stopped right after the load
+                      "clock_step_s": args.fleet_clock_step_s, "clock_step_at_s": args.fleet_clock_step_at_s}
         fleet = ctx.Process(target=fleet_main, args=(fleet_args, child, info_q, stop_fleet), daemon=True)
         fleet.start()
         procs.append(fleet)
@@ -565,8 +606,43 @@ assemble_wait_s = 10.0
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        clock_jumps = []  # (elapsed s, jump s): this host's wall clock against its monotonic one
+
+        def watch_clock():  # engines, truth and kvmiss all stamp with the wall clock
+            offset = time.time() - time.monotonic()
+            while not stop_sampler.wait(0.05):
+                now_offset = time.time() - time.monotonic()
+                if abs(now_offset - offset) > 0.005:
+                    clock_jumps.append((round(time.time() - t_start, 1), round(now_offset - offset, 4)))
+                offset = now_offset
+
+        threading.Thread(target=watch_clock, daemon=True).start()
+        stop_stalls = threading.Event()
+        stalls = []
+
+        stalled = {"fleet": [fleet.pid], "kvmiss": [kvmiss.pid], "both": [fleet.pid, kvmiss.pid]}[args.stall_target]
+
+        def stall():  # a starved host: every thread of the process stops at once
+            while not stop_stalls.wait(args.stall_every_s):
+                for pid in stalled:
+                    os.kill(pid, signal.SIGSTOP)
+                stalls.append(time.time() - t_start)
+                try:
+                    stop_stalls.wait(args.stall_s)
+                finally:
+                    for pid in stalled:
+                        os.kill(pid, signal.SIGCONT)
+
+        if args.stall_every_s > 0:
+            threading.Thread(target=stall, daemon=True).start()
         cpu0 = process_cpu_s(kvmiss.pid)
-        asyncio.run(gen.run(seconds))
+        try:
+            asyncio.run(gen.run(seconds))
+        finally:
+            stop_stalls.set()
+            time.sleep(0.1)
+            for pid in stalled:
+                os.kill(pid, signal.SIGCONT)
         load_s = time.time() - t_start
         acked = sum(gen.sent.values())
         drain_deadline = time.monotonic() + 60
@@ -686,8 +762,14 @@ assemble_wait_s = 10.0
         total = sum(row.values()) or 1
         print(f"  minute {m}: exact {row['exact']:,}, unknown {row['unknown']:,} ({row['unknown'] / total:.1%}), "
               f"wrong {row['wrong']}")
+    print(f"wall clock jumps against the monotonic clock (> 5 ms; t s, jump s): {clock_jumps or 'none'}; "
+          f"kvmiss saw engine clocks go back {metric_sum(final, 'kvmiss_index_clock_steps_back_total'):,.0f} times")
+    if args.stall_every_s > 0:
+        print(f"{args.stall_target} frozen {len(stalls)} times for {args.stall_s:g} s, at (s): {[round(x) for x in stalls]}")
     if dump["wrong_examples"]:
-        print("wrong examples:", dump["wrong_examples"][:5])
+        print("wrong examples:")
+        for example in dump["wrong_examples"]:
+            print("  ", json.dumps(example, default=str))
     print(f"kvmiss: spans received {final.get('kvmiss_spans_received_total', 0):,.0f}, exported "
           f"{final.get('kvmiss_spans_exported_total', 0):,.0f}, refused {final.get('kvmiss_spans_refused_total', 0):,.0f}; "
           f"stream gaps {metric_sum(final, 'kvmiss_stream_gaps_total'):,.0f}, quarantined "
@@ -698,7 +780,8 @@ assemble_wait_s = 10.0
         Path(args.json).write_text(json.dumps({
             "argv": sys.argv, "started": started.isoformat(), "rss": rss, "latency_ms": {
                 "p50": percentile(latency, 50) * 1e3, "p99": percentile(latency, 99) * 1e3},
-            "outcomes": {k: v for k, v in detail.items()}, "fleet": fleet_stats,
+            "outcomes": {k: v for k, v in detail.items()}, "fleet": fleet_stats, "clock_jumps": clock_jumps,
+            "wrong_examples": dump["wrong_examples"],
             "backlog": backlog, "samples": samples}, indent=1, default=str))
     print("RESULT:", "PASS" if ok else "FAIL", f"(kvmiss log: {log_path})")
     return 0 if ok else 1
