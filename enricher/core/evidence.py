@@ -90,6 +90,8 @@ def _choose_view(views: list[EpochView], instance_hint: str | None, t: float,
 
 
 def _quarantined(view: EpochView, run: Run, step_seq: int) -> bool:
+    if view.refusals and view.quarantined_at(step_seq) is not None:
+        return True  # events the index refused (`index.MAX_TIERS`): a hole of its own
     return run.start is RunStart.AFTER_GAP and view.last_clear_between(run.start_seq, step_seq + 1) is None
 
 
@@ -491,8 +493,9 @@ def gather(
     base.update(holders=holders, tiers=tuple(tiers), unresolved_holders=unresolved,
                 skewed_workers=skewed, unsettled_members=unsettled, stepped_workers=stepped)
     if _quarantined(view, run, step_seq):
-        return Evidence(history=History.QUARANTINED, gap_from_seq=run.gap_from_seq,
-                        gap_to_seq=run.gap_to_seq, **base)
+        refused = view.quarantined_at(step_seq) if view.refusals else None
+        hole = (refused, refused) if refused is not None else (run.gap_from_seq, run.gap_to_seq)
+        return Evidence(history=History.QUARANTINED, gap_from_seq=hole[0], gap_to_seq=hole[1], **base)
     gap = _gap_of(run)
     if key is None:
         return Evidence(history=History.CONTINUOUS, **base)

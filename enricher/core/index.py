@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import logging
 from array import array
+from bisect import bisect_right
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from kvmiss.enricher.core.divergence import SiblingRegistry
@@ -51,6 +52,12 @@ from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 GPU = "GPU"
 log = logging.getLogger("kvmiss.index")
+
+# Residency tables one lifetime keeps, one per (medium, KV-cache group): an engine has a few
+# groups on a few media (vLLM: at most ~8 x 4). Events naming a further one are refused --
+# garbage in decodable events would otherwise add tables without bound -- and, since what
+# they did is then missing, the lifetime is quarantined from that batch until a cache clear.
+MAX_TIERS = 64
 
 # How long after a lookup a tail confirmation must have been sent to prove history reached
 # it (schemas/config.py: history.clock_skew_s + history.publish_delay_s).
@@ -330,6 +337,9 @@ class EpochView:
         # and answers unknown inside it (`clock_step_at`). Dropped by `ResidencyIndex.prune`
         # once a window ends before the retention horizon less the margin.
         self.clock_steps: list[tuple[float, float]] = []
+        # Seqs of batches with refused events (`MAX_TIERS`), the first after each clear: a
+        # lookup in or after one, with no clear since, is quarantined (`quarantined_at`).
+        self.refusals: list[int] = []
         self._engine_ts: float | None = None  # the last batch's own stamp
         self.tail: tuple[int, float] | None = None  # (seq, kvmiss time) of the latest confirmation
         self._applier = None if Applier is None else Applier(
@@ -385,6 +395,9 @@ class EpochView:
         found = self._tables.get((event.medium, event.group_idx))
         if found is None:
             found = self._table(event)
+            if found is None:
+                self._refuse(seq)
+                return
         gpu_group0, table = found
         if cls is BlockStored:
             hashes = event.block_hashes
@@ -428,6 +441,28 @@ class EpochView:
             table.remove(hashes, seq, ts)
             if gpu_group0:
                 self._removed_in_python += len(event.block_hashes)
+
+    def _refuse(self, seq: int) -> None:
+        """An event of a (medium, group) past `MAX_TIERS`: not applied, counted, logged once;
+        the lifetime proves nothing from this batch on until a clear (a hole of its own)."""
+        refusals = self.refusals
+        if not refusals or self.last_clear_between(refusals[-1], seq + 1) is not None:
+            refusals.append(seq)
+        self.known_empty_since = None
+        self.counts[("events_refused_tiers", self.worker)] += 1
+        if self.counts[("events_refused_tiers", self.worker)] == 1:
+            log.warning("worker %s: an event names a (medium, KV-cache group) past the %d this engine lifetime "
+                        "may have: refused (counted: kvmiss_index_events_refused_total); its history is "
+                        "quarantined from that batch until a cache clear", self.worker, MAX_TIERS)
+
+    def quarantined_at(self, step_seq: int) -> int | None:
+        """The seq of a batch with refused events at or before ``step_seq`` with no clear
+        since (the lookup's history lacks what they did), else None."""
+        refusals = self.refusals
+        if not refusals or refusals[0] > step_seq:
+            return None
+        seq = refusals[bisect_right(refusals, step_seq) - 1]
+        return seq if self.last_clear_between(seq, step_seq + 1) is None else None
 
     def _clock_stepped_back(self, ts: float) -> None:
         """A batch stamped before the one applied last: the engine clock went back."""
@@ -537,16 +572,19 @@ class EpochView:
             del self.unproven_stores[step_seq]
         return gone
 
-    def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable]:
+    def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable] | None:
         """The (primary GPU table?, table) of the event's (medium, group), made on its first
-        event. The group's spec is learned here from its first store (`_learn`); until then
-        the entry is not cached, so the group's events keep coming here (a removal can come
-        first after a mid-epoch join)."""
+        event; None past `MAX_TIERS` (refused). The group's spec is learned here from its
+        first store (`_learn`); until then the entry is not cached, so the group's events keep
+        coming here (a removal can come first after a mid-epoch join). Spellings of a medium
+        are cached up to a bound too (more come here each time)."""
         raw_medium, raw_group = event.medium, event.group_idx
         group = raw_group or 0
         tier = Tier(canonical_medium(raw_medium), group)
         table = self.tiers.get(tier)
         if table is None:
+            if len(self.tiers) >= MAX_TIERS:
+                return None
             table = self.tiers[tier] = BlockTable(self.first_seq)
             if group == self.primary_group:
                 self.media[tier.medium] = table
@@ -558,7 +596,7 @@ class EpochView:
             self._learn(event, group)
             settled = True
         found = (tier.medium == GPU and group == self.primary_group, table)
-        if settled:
+        if settled and len(self._tables) < 4 * MAX_TIERS:
             self._tables[(raw_medium, raw_group)] = found
         self._judge_hybrid()
         return found
@@ -678,6 +716,10 @@ class EpochView:
         if len(clears) > 1 and clears[1][0] < first:
             keep = next((i for i in range(1, len(clears)) if clears[i][0] >= first), len(clears))
             del clears[:keep - 1]
+        refusals = self.refusals  # the latest before the log may still apply
+        if len(refusals) > 1 and refusals[1] < first:
+            keep = next((i for i in range(1, len(refusals)) if refusals[i] >= first), len(refusals))
+            del refusals[:keep - 1]
 
     def confirm_tail(self, seq: int, at: float) -> None:
         """The publisher had published nothing after batch ``seq`` when it answered a probe

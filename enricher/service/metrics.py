@@ -319,6 +319,10 @@ class KvmissCollector(Collector):
                 "kvmiss_index_uncounted_copies_removed", "Removals of a block whose only copy left was one of "
                 "those stores: it was a real copy after all (a duplicate). Absence claims since it stay open.",
                 labels=["worker"]),
+            "events_refused_tiers": CounterMetricFamily(
+                "kvmiss_index_events_refused", "Events naming a (medium, KV-cache group) past the 64 tables one "
+                "engine lifetime may have (garbage that decoded): not applied; the worker's history is quarantined "
+                "from that batch until a cache clear.", labels=["worker"]),
             "clock_steps_back": CounterMetricFamily(
                 "kvmiss_index_clock_steps_back", "Batches stamped before the batch before them: the engine clock went "
                 "back (a wall-clock step). Lookups at the readings it repeats cannot be ordered against that "

@@ -221,3 +221,37 @@ def test_a_window_group_block_forgotten_past_the_horizon_is_window_limit_over_th
     assert v.label is Label.WINDOW_LIMIT, v
     ev = gather(index, chain_request("A", a.ts(60) - 0.5, q, prompt_tokens=130, cached_tokens=0))
     assert ev.window_start is WindowStart.HORIZON and ev.window_start_ts == forgotten
+
+
+def test_a_flood_of_kv_cache_group_ids_is_refused_past_the_cap_and_quarantines_until_a_clear():
+    """Decodable garbage: every batch names new (medium, group) pairs. The lifetime keeps at
+    most `MAX_TIERS` tables (and a bounded cache of spellings); the rest is refused, counted,
+    and -- since what those events did is missing -- the worker proves nothing from that batch
+    until a cache clear: its requests are unknown_history (quarantined), never a label."""
+    from kvmiss.enricher.core.index import MAX_TIERS
+
+    index = ResidencyIndex(["w0"], retention_s=30.0, aged_out_horizon_s=120.0)
+    engine = SteadyEngine(index, hz=5, per_step=40, resident=1024)
+    engine.run_until(60)
+    view = index.current["w0"]
+    resident = engine.chains[-3][0]
+    assert Attributor(index).attribute(facts(engine.ts - 0.5, resident)).label is Label.RESIDENT_MISS
+    flood_seq = engine.seq
+    for i in range(50):  # 50 batches x 40 events, each a new group on a new medium spelling
+        index.apply(AppliedBatch(worker="w0", epoch=0, seq=engine.seq, ts=engine.ts, recv_ts=engine.ts,
+                                 events=[BlockStored(block_hashes=[i * 100 + j], parent_block_hash=None, block_size=16,
+                                                     medium=f"m{i}", group_idx=j) for j in range(40)],
+                                 run_start_seq=0, run_start=RunStart.EPOCH_START))
+        engine.seq += 1
+    engine.run_until(engine.ts + 5)
+    assert len(view.tiers) == MAX_TIERS and len(view._tables) <= 4 * MAX_TIERS
+    assert index.anomalies[("events_refused_tiers", "w0")] == 50 * 40 - (MAX_TIERS - 1)  # (GPU group 0 was one)
+    verdict = Attributor(index).attribute(facts(engine.ts - 0.5, engine.chains[-3][0]))
+    assert verdict.label is Label.UNKNOWN_HISTORY and verdict.reason.startswith("quarantined"), verdict.reason
+    assert (verdict.gap_from_seq, verdict.gap_to_seq) == (flood_seq + 1, flood_seq + 1)
+    engine.clear_every = engine.seq + 1  # a cache reset at the next step: a known-empty point
+    engine.run_until(engine.ts + 5)
+    engine.clear_every = 0
+    engine.run_until(engine.ts + 5)
+    ev = gather(index, facts(engine.ts - 0.5, engine.chains[-3][0]))
+    assert ev.history is not History.QUARANTINED, ev
