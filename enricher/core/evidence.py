@@ -512,7 +512,7 @@ def gather(
         if removed and view.unproven and view.unproven_before(view.primary_group, key, step_seq):
             # a store not counted as a copy (rule 7) may have outlived this removal
             return Evidence(history=History.CONTINUOUS, re_announced=True, **base)
-        if removed and view.same_step_copies.get(key) == step_seq and not _no_copy_preceded(view, facts, step_seq):
+        if removed and view.copied_in_step(key, step_seq) and not _no_copy_preceded(view, facts, step_seq):
             return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
         return Evidence(
             history=History.CONTINUOUS,
@@ -523,7 +523,7 @@ def gather(
             removed_by_clear=removed and node.removed_by_clear,
             **base,
         )
-    if view.same_step_copies.get(key) == step_seq and not _no_copy_preceded(view, facts, step_seq):
+    if view.copied_in_step(key, step_seq) and not _no_copy_preceded(view, facts, step_seq):
         return Evidence(history=History.CONTINUOUS, same_step_copies=True, **base)
     if view.unproven and view.unproven_before(view.primary_group, key, step_seq):
         return Evidence(history=History.CONTINUOUS, re_announced=True, **base)

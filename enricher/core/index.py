@@ -326,6 +326,10 @@ class EpochView:
         # same step, so for those the "stores in the lookup step come after it" rule fails.
         # Rare; pruned with the log.
         self.same_step_copies: dict[object, int] = {}
+        # The same, where the second store was one not counted (`_unproven_store`): a
+        # re-announcement by a request that hit the block -- stored earlier in the step, which
+        # proves nothing against the rule -- or a duplicate. Gone when its request confirms it.
+        self.same_step_unproven: dict[object, int] = {}
         self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
         self.last_ts: float | None = None
         # Engine times at which a lookup cannot be placed among this lifetime's batches: the
@@ -507,7 +511,7 @@ class EpochView:
             if primary is not None:
                 found = primary.as_of(h, seq + 1)
                 if found is not None and found[0] == seq and found[1] is None:
-                    self.same_step_copies[h] = seq
+                    self.same_step_unproven[h] = seq
         self.counts[("re_announced_stores", self.worker)] += 1
         self.counts[("re_announced_blocks", self.worker)] += len(event.block_hashes)
 
@@ -568,9 +572,18 @@ class EpochView:
                         del marks[h]
             if not marks:
                 self.unproven.pop(tier, None)
+        still_open = {h for _, stored in stores for h in stored}
+        for h in chain:
+            if self.same_step_unproven.get(h) == step_seq and h not in still_open:
+                del self.same_step_unproven[h]  # that second store was its re-announcement
         if not stores:
             del self.unproven_stores[step_seq]
         return gone
+
+    def copied_in_step(self, key: object, step_seq: int) -> bool:
+        """Whether ``key`` was stored twice on the primary GPU table in batch ``step_seq``
+        (`same_step_copies`, or a second store not yet told apart: `same_step_unproven`)."""
+        return self.same_step_copies.get(key) == step_seq or self.same_step_unproven.get(key) == step_seq
 
     def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable] | None:
         """The (primary GPU table?, table) of the event's (medium, group), made on its first
@@ -671,6 +684,8 @@ class EpochView:
         copies = self.same_step_copies  # in place: the compiled applier holds this dict
         for key in [k for k, q in copies.items() if horizon_seq is None or q < horizon_seq]:
             del copies[key]
+        for key in [k for k, q in self.same_step_unproven.items() if horizon_seq is None or q < horizon_seq]:
+            del self.same_step_unproven[key]
         for seq in [q for q in self.unproven_stores if horizon_seq is None or q < horizon_seq]:
             del self.unproven_stores[seq]
         for tier, marks in list(self.unproven.items()):

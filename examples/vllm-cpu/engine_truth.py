@@ -160,10 +160,12 @@ class Stream:
                         copies[(g, h)] += 1
         return len(self.skipped)
 
-    def state(self, upto: int, step_removals: bool, step_stores: set[int] = frozenset()) -> tuple[collections.Counter, set]:
+    def state(self, upto: int, step_removals: bool, step_stores: set[int] = frozenset(),
+              step_full_stores: set[int] = frozenset()) -> tuple[collections.Counter, set]:
         """Copies per (group, hash) and every (group, hash) ever stored, after batches
-        ``[0, upto)``, plus, from batch ``upto``, its removals when ``step_removals`` and its
-        stores of the hashes in ``step_stores``."""
+        ``[0, upto)``, plus, from batch ``upto``, its removals when ``step_removals``, its
+        stores of the hashes in ``step_stores`` (every group) and of those in
+        ``step_full_stores`` (the full-attention group only)."""
         copies: collections.Counter = collections.Counter()
         ever: set = set()
         for i, (_, _, events) in enumerate(self.batches[:upto + 1]):
@@ -173,8 +175,9 @@ class Stream:
                 if kind == "AllBlocksCleared" and not in_step:
                     copies.clear()
                 elif kind == "BlockStored" and (i, j) not in self.skipped:
+                    full_here = group_of(e) == (self.full if self.full is not None else 0)
                     for h in hashes_of(e):
-                        if not in_step or h in step_stores:
+                        if not in_step or h in step_stores or (full_here and h in step_full_stores):
                             copies[(group_of(e), h)] += 1
                             ever.add((group_of(e), h))
                 elif kind == "BlockRemoved" and (not in_step or step_removals):
@@ -234,9 +237,11 @@ class Stream:
 
         A placement is a candidate step (one that stored the first missed block in the
         full-attention group while the request was in flight) and a reading of that step: its
-        removals before or after the lookup, and its stores of the blocks the request hit made
-        by requests scheduled before it in the step, or not. Placements whose predicted cached
-        tokens differ from the engine's are impossible and dropped."""
+        removals before or after the lookup, its stores of the blocks the request hit made
+        by requests scheduled before it in the step, or not, and -- where the step stored the
+        first missed block twice -- one copy of it in the full-attention group before the
+        lookup, or not. Placements whose predicted cached tokens differ from the engine's are
+        impossible and dropped."""
         n, b, c = lk.prompt_tokens, self.block, lk.cached
         limit = (n - 1) // b * b
         if c >= limit:
@@ -254,15 +259,22 @@ class Stream:
         hit_prefix = set(lk.chain[:c // b])
         consistent, predicted = [], []
         for step in steps:
+            # Two stores of the first missed block in the step: one may be another request's,
+            # scheduled first (the lookup then saw it held in the full-attention group, and on a
+            # hybrid a window group may still have cut the hit). Tried with that copy alone.
+            copies_of_h = sum(1 for j, e in enumerate(self.batches[step][2]) if kind_of(e) == "BlockStored"
+                              and group_of(e) == full and h in hashes_of(e) and (step, j) not in self.skipped)
+            missed = (frozenset(), frozenset({h})) if copies_of_h >= 2 else (frozenset(),)
             for removals in (True, False):
                 for stores in (frozenset(), hit_prefix):
-                    copies, ever = self.state(step, removals, stores)
-                    label, tokens, limiting, detail = self.label(lk, copies, ever)
-                    predicted.append(tokens)
-                    if tokens == c:
-                        reading = ("removals_before" if removals else "removals_after") + (
-                            "+earlier_stores" if stores else "")
-                        consistent.append((label, step, limiting, reading, detail))
+                    for first in missed:
+                        copies, ever = self.state(step, removals, stores, first)
+                        label, tokens, limiting, detail = self.label(lk, copies, ever)
+                        predicted.append(tokens)
+                        if tokens == c:
+                            reading = ("removals_before" if removals else "removals_after") + (
+                                "+earlier_stores" if stores else "") + ("+earlier_copy_of_miss" if first else "")
+                            consistent.append((label, step, limiting, reading, detail))
         if not consistent:
             return Truth(excluded="oracle_mismatch", predicted=predicted[0], step=steps[0],
                          detail={"steps": steps, "predicted": sorted(set(predicted))})

@@ -210,3 +210,18 @@ def test_the_removal_of_a_copy_never_counted_makes_no_history_gap_for_earlier_lo
     assert index.anomalies[("uncounted_copies_removed", "A")] == 1
     assert judge(index, request("A", a.ts(5) - 0.5)).label is Label.RESIDENT_MISS
     assert judge(index, request("A", a.ts(20) - 0.5)).label is Label.UNKNOWN_HISTORY
+
+
+def test_a_re_announcement_in_the_step_that_stored_the_block_is_no_second_copy_once_confirmed():
+    """One request stores H and, later in the same engine step, a full-report request hits it
+    and re-announces it (seen on the real engine, 8 in flight). Until that request is seen the
+    second store may be a duplicate stored before another lookup in the step (unknown); once it
+    confirms the re-announcement, a miss in that step is judged by the ordinary rule."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {5: [stored(H), stored(H)]})
+    miss = chain_request("A", a.ts(5) - 0.5, [H], prompt_tokens=17, cached_tokens=0, block_size=16)
+    assert judge(index, miss).label is Label.UNKNOWN_HISTORY
+    judge(index, chain_request("A", a.ts(5) - 0.5, [H, 0xBEEF], prompt_tokens=33, cached_tokens=16,
+                               block_size=16, kv_cache_report_mode="full"))
+    assert index.anomalies[("re_announced_confirmed", "A")] == 1
+    assert judge(index, miss).label is Label.NO_MATCH

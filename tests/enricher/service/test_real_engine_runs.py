@@ -115,9 +115,12 @@ def test_kvmiss_gives_the_engines_truth_on_a_captured_run(path, tmp_path):
         if want == "unknown_history":
             assert got == "unknown_history" and any(kind in reason for kind in stream.unmodelled), reason
     assert len(unknown) <= UNKNOWN_BUDGET * len(misses), collections.Counter(x[1] for x in unknown)
-    # The run judged what the capture says it judged, and kvmiss offline agrees with kvmiss
-    # live (the release that ran it) wherever it does not now give the truth instead.
-    assert len(judged) == run["with_truth"] and len(misses) == run["misses"]
+    # The oracle judges what it judged when the capture was taken, with the same truth, less
+    # what it has since learned is ambiguous; and kvmiss offline agrees with kvmiss live (the
+    # release that ran it) wherever it does not now give the truth instead.
+    for t, r in zip(truths, requests):
+        assert t.label == r["truth"] or (t.label is None and t.excluded.startswith("ambiguous")), (t, r["truth"])
+    assert len(judged) <= run["with_truth"]
     differ = [(r["kvmiss_live"], got, want) for want, got, r in judged if got != r["kvmiss_live"] and got != want]
     assert differ == [], differ
     seen = {want for want, _, _ in judged}
@@ -169,10 +172,10 @@ def test_a_lookup_time_from_llm_request_is_judged_over_its_window_on_the_real_en
 def test_the_hybrid_with_full_reports_and_8_in_flight_gets_no_wrong_label_over_its_windows(tmp_path):
     """The Gemma-3-style hybrid, full report mode on 30 % and the last 40 % 8 in flight
     (2026-12-05). Every label is the engine's or honestly unknown. Its unknowns exceed the 1 %
-    budget (benchmarks/RESULTS.md): a window reaching the step of two copies of the first
-    missed block, where on a hybrid the window group may have cut a hit on a copy stored first
-    (vLLM's rule cannot refute it), or the step after a store of it inside the window; and one
-    duplicate store with no parent nothing confirmed."""
+    budget (benchmarks/RESULTS.md): 3 windows reach the step of two copies of the first missed
+    block, 2 the step after a store of it inside the window, 1 is a duplicate store with no
+    parent nothing confirmed. (Judged again once every request was seen, 3 of the 6 are
+    settled: the requests whose re-announcements they needed came later.)"""
     path = DATA / "vllm-0.32.0-gemma3-full-report-concurrent.jsonl.gz"
     _, live, requests = load(path)
     assert [m["seq"] for m in live] == list(range(len(live)))
@@ -184,7 +187,7 @@ def test_the_hybrid_with_full_reports_and_8_in_flight_gets_no_wrong_label_over_i
     assert {"window_limit", "evicted", "no_match"} <= {want for want, _, _ in judged} and stream.skipped
     unknown = [reason for want, got, reason in judged if got.startswith("unknown")]
     assert all("window" in r or "re-announce" in r for r in unknown), unknown
-    assert len(unknown) < 0.15 * len([x for x in judged if x[0] not in ("hit", "lookup_limit")])
+    assert len(unknown) <= 0.08 * len([x for x in judged if x[0] not in ("hit", "lookup_limit")])
 
 
 def test_the_mamba_groups_stores_without_a_hash_are_counted_logged_once_and_skipped(tmp_path, caplog):
