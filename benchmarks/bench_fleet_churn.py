@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import tracemalloc
 import time
 import urllib.request
 from pathlib import Path
@@ -109,8 +110,8 @@ def driver(args: argparse.Namespace) -> int:
             next_change += args.change_every_s
         if now >= next_round:
             for worker, pub in engines.items():  # one engine step each: a few stores, evictions
-                held = resident[worker]
-                removed = held[:2] if len(held) > 64 else []
+                held = resident[worker]  # a pool of 64 blocks per engine: full, each step evicts 4
+                removed = held[:4] if len(held) >= 64 else []
                 del held[:len(removed)]
                 stored = list(range(block, block + 4))
                 block += 4
@@ -180,9 +181,13 @@ poll_interval_s = 0.25
             await asyncio.sleep(LAG_TICK_S)
             lags.append((time.time(), time.perf_counter() - t - LAG_TICK_S))
 
+    snapshots = []
+
     async def rss_probe(t0: float) -> None:
         while not stop.is_set():
             rss.append((time.monotonic() - t0, rss_mb(os.getpid())))
+            if args.tracemalloc and len(snapshots) < 1 and rss[-1][0] >= 2 * args.retention_s:
+                snapshots.append(tracemalloc.take_snapshot())
             try:
                 await asyncio.wait_for(stop.wait(), 10.0)
             except asyncio.TimeoutError:
@@ -203,6 +208,9 @@ poll_interval_s = 0.25
     driver_out = json.loads(await loop.run_in_executor(None, proc.stdout.readline))
     stop.set()
     await asyncio.gather(*tasks)
+    if snapshots:  # what grew after retention, by line (--tracemalloc)
+        for stat in tracemalloc.take_snapshot().compare_to(snapshots[0], "lineno")[:15]:
+            print(stat, file=sys.stderr)
     proc.wait()
     stats = service.fleet_stats
     result = {"joins": stats.joins, "departures": stats.departures, "members": len(service.fleet.streams),
@@ -238,11 +246,15 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=30.0,
                         help="quiet and churning phases alternate (0: churn throughout)")
     parser.add_argument("--max-growth-mb", type=float, default=20.0)
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="print what grew after 2 * retention, by line (slow)")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fleet-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.driver:
         return driver(args)
+    if args.tracemalloc:
+        tracemalloc.start()
     with tempfile.TemporaryDirectory() as tmp:
         out = asyncio.run(follow(args, str(Path(tmp) / "fleet.toml"), free_port()))
     lags, rss, applies, t0 = out.pop("lags"), out.pop("rss"), out.pop("applies"), out.pop("t0")
