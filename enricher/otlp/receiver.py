@@ -15,12 +15,13 @@ share)
 PERMANENT   INVALID_ARGUMENT                             400
 ==========  ===========================================  ======================================
 
-HTTP also answers 415 (content type or encoding not supported), 413 (body larger than
-``OtlpConfig.max_body_bytes`` after gunzip; not retryable), 400 (malformed body) and 503 with
-Retry-After when the body did not arrive within ``OtlpConfig.body_timeout_s`` of the headers
-(the connection is closed after it). Not 408: OTLP clients do not retry 408, and a body cut
-off in transit is a transient failure whose spans a real client should send again. Error bodies are a ``google.rpc.Status`` in the request's content type, as
-OTLP/HTTP asks.
+HTTP takes bodies as they are or compressed (``Content-Encoding`` gzip, deflate, zlib or
+zstd), and also answers 415 (content type or encoding not supported), 413 (body larger than
+``OtlpConfig.max_body_bytes`` after decompression; not retryable), 400 (malformed body) and
+503 with Retry-After when the body did not arrive within ``OtlpConfig.body_timeout_s`` of the
+headers (the connection is closed after it). Not 408: OTLP clients do not retry 408, and a
+body cut off in transit is a transient failure whose spans a real client should send again.
+Error bodies are a ``google.rpc.Status`` in the request's content type, as OTLP/HTTP asks.
 
 Intake limits, before the consumer sees a span: ``max_spans_per_s_per_client`` (a token
 bucket per peer IP address, shared by both receivers, in a table of at most
@@ -54,6 +55,11 @@ import time
 import urllib.parse
 import zlib
 from typing import Callable
+
+try:  # Python 3.14 has it; before, its backport (same API)
+    from compression import zstd
+except ImportError:
+    from backports import zstd
 
 import grpc
 from aiohttp import web
@@ -552,12 +558,12 @@ class Receivers:
         try:
             if ctype not in (PROTOBUF, JSON):
                 raise _Rejected(415, "unsupported_media_type", f"Content-Type must be {PROTOBUF} or {JSON}")
-            encoding = http_request.headers.get("Content-Encoding", "identity").strip().lower()
-            if encoding not in ("gzip", "identity", ""):
-                raise _Rejected(415, "unsupported_encoding", "Content-Encoding must be gzip or identity")
-            if encoding == "gzip":
-                self.stats["http_requests_gzip"] += 1
-            body, gzipped = await self._read_body(http_request, gzipped=encoding == "gzip")
+            encoding = http_request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+            if encoding != "identity":
+                if encoding not in _INFLATERS:
+                    raise _Rejected(415, "unsupported_encoding", f"Content-Encoding must be {_ENCODINGS_ACCEPTED}")
+                self.stats[f"http_requests_{encoding}"] += 1
+            body, gzipped = await self._read_body(http_request, encoding)
             request = self._decode(body, ctype)
             if ctype == JSON:
                 body = gzipped = None  # not protobuf bytes
@@ -583,10 +589,11 @@ class Receivers:
             response.partial_success.error_message = result.message
         return web.Response(body=_encode(response, ctype), content_type=ctype)
 
-    async def _read_body(self, http_request: web.Request, *, gzipped: bool) -> tuple[bytes, bytes | None]:
-        """(the body, the gzip'd bytes it came in as or None)."""
+    async def _read_body(self, http_request: web.Request, encoding: str) -> tuple[bytes, bytes | None]:
+        """(the body, decompressed; the gzip'd bytes it came in as, or None when not gzip)."""
+        compressed = encoding != "identity"
         # The compressed size may exceed the decompressed one a little (incompressible data).
-        limit = self._max_body + self._max_body // 64 + 1024 if gzipped else self._max_body
+        limit = self._max_body + self._max_body // 64 + 1024 if compressed else self._max_body
         try:
             raw = await read_body(http_request, limit=limit, timeout_s=self._body_timeout_s)
         except BodyRefused as refused:
@@ -596,11 +603,14 @@ class Receivers:
                        "(%g s): answered 503 (retry) and closed (counted in kvmiss_otlp_requests_refused_total"
                        "{reason=\"body_timeout\"})", self._body_timeout_s)
             raise _Rejected(503, "body_timeout", str(refused), {"Retry-After": str(max(1, math.ceil(DEFAULT_RETRY_AFTER_S)))}) from None
-        if not gzipped:
+        if not compressed:
             return raw, None
-        if len(raw) > _THREAD_GUNZIP_BYTES:  # zlib releases the GIL: keep the loop serving
-            return await asyncio.to_thread(_gunzip, raw, self._max_body), raw
-        return _gunzip(raw, self._max_body), raw
+        inflate = _INFLATERS[encoding]
+        if len(raw) > _THREAD_GUNZIP_BYTES:  # zlib and zstd release the GIL: keep the loop serving
+            body = await asyncio.to_thread(inflate, raw, self._max_body)
+        else:
+            body = inflate(raw, self._max_body)
+        return body, raw if encoding == "gzip" else None
 
     def _decode(self, body: bytes, ctype: str) -> ExportTraceServiceRequest:
         try:
@@ -666,22 +676,50 @@ def _encode(message: Message, ctype: str) -> bytes:
     return message.SerializeToString()
 
 
-def _gunzip(data: bytes, limit: int) -> bytes:
-    """Decompress gzip (possibly several members) without ever holding more than ``limit``
-    + 1 decompressed bytes; raises `_Rejected` 413 beyond it, 400 when corrupt."""
+def _inflate_members(data: bytes, limit: int, name: str, decompressor: Callable[[], object],
+                     error: type[Exception]) -> bytes:
+    """Decompress a body of one or more concatenated members (gzip members, zstd frames)
+    without ever holding more than ``limit`` + 1 decompressed bytes; raises `_Rejected` 413
+    beyond it, 400 when corrupt or cut short."""
     out: list[bytes] = []
     total = 0
     try:
         while data:
-            inflater = zlib.decompressobj(wbits=31)  # 31: gzip header and trailer required
+            inflater = decompressor()
             chunk = inflater.decompress(data, limit - total + 1)  # +1: detects "over"
             total += len(chunk)
             if total > limit:
                 raise _Rejected(413, "too_large", f"body larger than {limit} bytes after decompression")
             if not inflater.eof:
-                raise _Rejected(400, "malformed", "truncated gzip body")
+                raise _Rejected(400, "malformed", f"truncated {name} body")
             out.append(chunk)
             data = inflater.unused_data
-    except zlib.error as exc:
-        raise _Rejected(400, "malformed", f"corrupt gzip body: {exc}") from None
+    except error as exc:
+        raise _Rejected(400, "malformed", f"corrupt {name} body: {exc}") from None
     return b"".join(out)
+
+
+def _gunzip(data: bytes, limit: int) -> bytes:
+    # wbits 31: the gzip header and trailer are required.
+    return _inflate_members(data, limit, "gzip", lambda: zlib.decompressobj(wbits=31), zlib.error)
+
+
+def _inflate(data: bytes, limit: int) -> bytes:
+    """HTTP's ``deflate``: a zlib stream (RFC 9110; what the OpenTelemetry Python SDK and the
+    Collector send, the Collector also as ``zlib``); a raw deflate stream, which some clients
+    send under the same name, is read too."""
+    zlib_header = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+    wbits = 15 if zlib_header else -15
+    return _inflate_members(data, limit, "deflate", lambda: zlib.decompressobj(wbits=wbits), zlib.error)
+
+
+def _unzstd(data: bytes, limit: int) -> bytes:
+    return _inflate_members(data, limit, "zstd", zstd.ZstdDecompressor, zstd.ZstdError)
+
+
+# Content-Encoding -> decompressor. The OpenTelemetry SDKs send gzip (Python also deflate);
+# the Collector's otlphttp exporter gzip by default, zstd, deflate or zlib when configured
+# (its snappy and lz4 are refused: 415 names what is taken).
+_INFLATERS: dict[str, Callable[[bytes, int], bytes]] = {
+    "gzip": _gunzip, "deflate": _inflate, "zlib": _inflate, "zstd": _unzstd}
+_ENCODINGS_ACCEPTED = "gzip, deflate, zlib, zstd or identity"

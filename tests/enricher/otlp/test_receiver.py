@@ -12,6 +12,7 @@ import random
 import socket
 import subprocess
 import time
+import zlib
 
 import aiohttp
 import grpc
@@ -30,6 +31,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from zmq_ports import free_port
 
+try:  # Python 3.14 has it; before, its backport (a kvmiss dependency)
+    from compression import zstd
+except ImportError:
+    from backports import zstd
+
 from kvmiss.enricher.otlp import receiver as receiver_module
 from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, Outcome, span_count
 from kvmiss.enricher.otlp.receiver import Receivers, drop_invalid_spans, parse_listen, parse_otlp_json
@@ -38,6 +44,27 @@ from kvmiss.schemas.config import OtlpConfig
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-15)
+    return packer.compress(data) + packer.flush()
+
+
+def _halves(compress):
+    return lambda data: compress(data[: len(data) // 2]) + compress(data[len(data) // 2:])
+
+
+# Test case -> (Content-Encoding, how a client compresses a body).
+COMPRESSORS = {
+    "gzip": ("gzip", gzip.compress),
+    "gzip-two-members": ("gzip", _halves(gzip.compress)),
+    "deflate": ("deflate", zlib.compress),
+    "deflate-raw": ("deflate", _raw_deflate),
+    "zlib": ("zlib", zlib.compress),
+    "zstd": ("zstd", zstd.compress),
+    "zstd-two-frames": ("zstd", _halves(zstd.compress)),
+}
 
 
 class RecordingConsumer:
@@ -115,14 +142,15 @@ async def grpc_export(receivers: Receivers, body: bytes):
 
 
 class TestRealSdkExporters:
-    def test_grpc_exporter_with_gzip_delivers_every_span_unchanged(self):
+    @pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate], ids=["gzip", "deflate"])
+    def test_grpc_exporter_compressed_delivers_every_span_unchanged(self, compression):
         spans = sdk_spans(3)
         consumer = RecordingConsumer()
 
         async def scenario():
             async with serving(consumer) as receivers:
                 exporter = GrpcSpanExporter(
-                    endpoint=f"127.0.0.1:{receivers.grpc_port}", insecure=True, compression=grpc.Compression.Gzip
+                    endpoint=f"127.0.0.1:{receivers.grpc_port}", insecure=True, compression=compression
                 )
                 try:
                     return await asyncio.to_thread(exporter.export, spans)
@@ -138,14 +166,15 @@ class TestRealSdkExporters:
         # gRPC hands over the request's own bytes too
         assert [ExportTraceServiceRequest.FromString(b) for b in consumer.bodies] == consumer.requests
 
-    def test_http_exporter_with_gzip_delivers_every_span(self):
+    @pytest.mark.parametrize("compression", [HttpCompression.Gzip, HttpCompression.Deflate], ids=["gzip", "deflate"])
+    def test_http_exporter_compressed_delivers_every_span(self, compression):
         spans = sdk_spans(4)
         consumer = RecordingConsumer()
 
         async def scenario():
             async with serving(consumer) as receivers:
                 exporter = HttpSpanExporter(
-                    endpoint=f"http://127.0.0.1:{receivers.http_port}/v1/traces", compression=HttpCompression.Gzip
+                    endpoint=f"http://127.0.0.1:{receivers.http_port}/v1/traces", compression=compression
                 )
                 try:
                     return await asyncio.to_thread(exporter.export, spans), receivers.stats.copy()
@@ -155,7 +184,7 @@ class TestRealSdkExporters:
         result, stats = asyncio.run(scenario())
         assert result is SpanExportResult.SUCCESS
         assert [s.name for s in consumer.spans()] == [s.name for s in spans]
-        assert stats["http_requests_gzip"] == 1 and stats["spans_accepted"] == 4
+        assert stats[f"http_requests_{compression.value}"] == 1 and stats["spans_accepted"] == 4
 
 
 def _rotel_binary() -> pathlib.Path:
@@ -277,6 +306,42 @@ class TestHttpBodies:
         assert consumer.bodies == [body if ctype == PROTOBUF else None]
         assert [gzip.decompress(g) if g else g for g in consumer.gzipped] == [body if ctype == PROTOBUF else None]
 
+    @pytest.mark.parametrize("encoding", list(COMPRESSORS))
+    def test_every_accepted_encoding_in_either_content_type(self, encoding):
+        """deflate as the OTel Python SDK sends it (zlib) and raw; zstd as one frame or two;
+        gzip as two members (concatenated streams are one body in each format)."""
+        request = otlp_request([GOOD, GOOD, GOOD])
+        header, compress = COMPRESSORS[encoding]
+        consumer = RecordingConsumer()
+
+        async def scenario():
+            answers = []
+            async with serving(consumer) as receivers:
+                for ctype in (PROTOBUF, JSON):
+                    body = request.SerializeToString() if ctype == PROTOBUF else _to_json(request)
+                    answers.append(await post(receivers, compress(body), ctype, {"Content-Encoding": header}))
+                return answers, receivers.stats.copy()
+
+        answers, stats = asyncio.run(scenario())
+        assert [a[0] for a in answers] == [200, 200] and consumer.requests == [request, request]
+        assert stats[f"http_requests_{header}"] == 2
+        # only gzip'd protobuf bytes are handed on as they came (the journal keeps those)
+        assert consumer.gzipped[1] is None and (consumer.gzipped[0] is not None) == (header == "gzip")
+
+    @pytest.mark.parametrize("encoding", ["deflate", "zstd"])
+    def test_a_large_compressed_body_is_decompressed_off_the_loop_intact(self, encoding):
+        rng = random.Random(7)
+        request = otlp_request([(rng.randbytes(16), rng.randbytes(8)) for _ in range(3000)])
+        body = COMPRESSORS[encoding][1](request.SerializeToString())
+        assert len(body) > receiver_module._THREAD_GUNZIP_BYTES  # random ids barely compress
+        consumer = RecordingConsumer()
+
+        async def scenario():
+            async with serving(consumer) as receivers:
+                return await post(receivers, body, PROTOBUF, {"Content-Encoding": encoding})
+
+        assert asyncio.run(scenario())[0] == 200 and consumer.requests == [request]
+
     def test_a_large_gzip_body_is_gunzipped_off_the_loop_intact(self):
         rng = random.Random(7)
         request = otlp_request([(rng.randbytes(16), rng.randbytes(8)) for _ in range(3000)])
@@ -327,8 +392,14 @@ class TestHttpBodies:
             (b'{"resourceSpans": 3}', JSON, {}),
             (b"\x1f\x8b\x08\x00garbage", PROTOBUF, {"Content-Encoding": "gzip"}),
             (gzip.compress(b"x" * 100)[:-6], PROTOBUF, {"Content-Encoding": "gzip"}),  # truncated
+            (b"\x78\x9cgarbage", PROTOBUF, {"Content-Encoding": "deflate"}),
+            (zlib.compress(b"x" * 100)[:-6], PROTOBUF, {"Content-Encoding": "deflate"}),
+            (zlib.compress(b"x" * 100) + b"tail", PROTOBUF, {"Content-Encoding": "deflate"}),
+            (b"\x28\xb5\x2f\xfdgarbage", PROTOBUF, {"Content-Encoding": "zstd"}),
+            (zstd.compress(bytes(range(256)) * 4)[:-6], PROTOBUF, {"Content-Encoding": "zstd"}),
         ],
-        ids=["protobuf", "json-syntax", "json-hex", "json-shape", "gzip-corrupt", "gzip-truncated"],
+        ids=["protobuf", "json-syntax", "json-hex", "json-shape", "gzip-corrupt", "gzip-truncated",
+             "deflate-corrupt", "deflate-truncated", "deflate-trailing", "zstd-corrupt", "zstd-truncated"],
     )
     def test_malformed_body_is_400_with_a_status_body(self, body, ctype, headers):
         consumer = RecordingConsumer()
@@ -341,7 +412,8 @@ class TestHttpBodies:
         assert status == 400 and consumer.requests == []
         message = (status_pb2.Status.FromString(answer).message if ctype == PROTOBUF
                    else json.loads(answer)["message"])  # fmt: skip
-        assert "cannot decode" in message or "gzip" in message
+        encoding = headers.get("Content-Encoding")
+        assert f"{encoding} body" in message if encoding else "cannot decode" in message
 
     @pytest.mark.parametrize("ctype, headers", [("text/plain", {}), (PROTOBUF, {"Content-Encoding": "br"})])
     def test_unsupported_content_type_or_encoding_is_415(self, ctype, headers):
@@ -349,13 +421,20 @@ class TestHttpBodies:
             async with serving(RecordingConsumer()) as receivers:
                 return await post(receivers, otlp_request([GOOD]).SerializeToString(), ctype, headers)
 
-        assert asyncio.run(scenario())[0] == 415
+        status, _, answer = asyncio.run(scenario())
+        assert status == 415
+        if headers:  # the answer says what is accepted
+            assert "gzip, deflate, zlib, zstd or identity" in status_pb2.Status.FromString(answer).message
 
-    @pytest.mark.parametrize("compressed", [False, True], ids=["identity", "gzip-bomb"])
-    def test_body_over_the_cap_after_decompression_is_413(self, compressed):
+    @pytest.mark.parametrize("encoding", ["identity", "gzip", "deflate", "zstd"])
+    def test_body_over_the_cap_after_decompression_is_413(self, encoding):
         big = otlp_request([GOOD] * 2000).SerializeToString()  # ~60 KiB, very compressible
-        assert len(big) > 32 * 1024 and len(gzip.compress(big)) < 32 * 1024
-        body, headers = (gzip.compress(big), {"Content-Encoding": "gzip"}) if compressed else (big, {})
+        assert len(big) > 32 * 1024
+        if encoding == "identity":
+            body, headers = big, {}
+        else:
+            body, headers = COMPRESSORS[encoding][1](big), {"Content-Encoding": encoding}
+            assert len(body) < 32 * 1024
         consumer = RecordingConsumer()
 
         async def scenario():
