@@ -73,6 +73,7 @@ class DnsMembership:
         self.topics = topics
         self.members: dict[str, WorkerSpec] = {}
         self.outcomes: collections.Counter[Outcome] = collections.Counter()
+        self.last_answer: DnsAnswer | None = None  # what the last resolution said (for --check)
         self._empty_since: float | None = None
         self._failing: str | None = None  # the reason of the current failure streak, logged once
         self._resolver = resolver if resolver is not None else _resolver(config)
@@ -125,6 +126,7 @@ class DnsMembership:
         """Apply one resolution's ``answer``, received at ``now`` (seconds, any steady clock):
         the whole new set of workers when it changed, else None."""
         self.outcomes[answer.outcome] += 1
+        self.last_answer = answer
         if answer.outcome is Outcome.FAILED:
             if self._failing is None:
                 log.warning("fleet: resolving %s failed (%s); the last good fleet of %d workers stays "

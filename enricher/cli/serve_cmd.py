@@ -199,8 +199,10 @@ def _resolved_fleet(config) -> list[str] | None:
         answer = asyncio.run(source.poll())
         if isinstance(answer, Desired):
             answer = members.propose(source.name, answer, 0.0)
-        if answer is None:  # (a resolver that got no answer says why in the log)
-            lines.append(f"fleet {source.name} {source.where}: no answer yet (asked again every poll once running)")
+        if answer is None:
+            said = getattr(source, "last_answer", None)  # what a resolver was told, if it was
+            what = "no answer yet" if said is None else f"{said.outcome.value} ({said.reason})"
+            lines.append(f"fleet {source.name} {source.where}: {what}: 0 workers for now (asked again once running)")
         elif not hasattr(answer, "reason"):
             specs = members.by_source.get(source.name, {}).values()
             lines.append(f"fleet {source.name} {source.where}: {len(specs)} workers")
