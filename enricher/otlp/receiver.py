@@ -93,7 +93,7 @@ TRACES_PATH = "/v1/traces"
 DEFAULT_RETRY_AFTER_S = 1.0  # when a consumer says RETRYABLE without a delay
 _GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
-_THREAD_GUNZIP_BYTES = 32 * 1024  # below it, a thread hop (~50 us) costs more than it frees
+_THREAD_INFLATE_BYTES = 32 * 1024  # below it, a thread hop (~50 us) costs more than it frees
 _INTERNAL = ConsumeResult(Outcome.PERMANENT, message="internal error")  # marker, see _deliver
 MAX_TRACKED_CLIENTS = 4096  # peers with a per-client rate bucket; the least recent is forgotten
 GRPC_STREAMS_PER_CONNECTION = 16  # concurrent calls on one gRPC connection (HTTP/2 streams)
@@ -606,7 +606,7 @@ class Receivers:
         if not compressed:
             return raw, None
         inflate = _INFLATERS[encoding]
-        if len(raw) > _THREAD_GUNZIP_BYTES:  # zlib and zstd release the GIL: keep the loop serving
+        if len(raw) > _THREAD_INFLATE_BYTES:  # zlib and zstd release the GIL: keep the loop serving
             body = await asyncio.to_thread(inflate, raw, self._max_body)
         else:
             body = inflate(raw, self._max_body)
@@ -722,4 +722,4 @@ def _unzstd(data: bytes, limit: int) -> bytes:
 # (its snappy and lz4 are refused: 415 names what is taken).
 _INFLATERS: dict[str, Callable[[bytes, int], bytes]] = {
     "gzip": _gunzip, "deflate": _inflate, "zlib": _inflate, "zstd": _unzstd}
-_ENCODINGS_ACCEPTED = "gzip, deflate, zlib, zstd or identity"
+_ENCODINGS_ACCEPTED = ", ".join(_INFLATERS) + " or identity"  # for the 415's message
