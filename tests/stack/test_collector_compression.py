@@ -18,10 +18,8 @@ import re
 
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+from sdk_spans import sdk_spans
 from stack import Collector, free_port, wait_until
 
 from kvmiss.enricher.otlp.interfaces import ACCEPTED
@@ -81,17 +79,6 @@ class Recorder:
         return ACCEPTED
 
 
-def router_spans(n: int):
-    memory = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "router"}))
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracer = provider.get_tracer("router")
-    for i in range(n):
-        with tracer.start_as_current_span(f"route-{i}") as span:
-            span.set_attribute("gen_ai.request.id", f"r{i}")
-    return memory.get_finished_spans()
-
-
 def exported_failed(collector: Collector) -> float:
     """The Collector's own count of spans its exporter failed to send."""
     found = re.findall(r"^otelcol_exporter_send_failed_spans(?:_total)?\{[^}]*\} (\S+)$", collector.telemetry(), re.M)
@@ -104,7 +91,7 @@ def test_the_collectors_compressions_reach_kvmiss_or_are_refused_with_a_reason(e
     config = tmp_path / "collector.yaml"
     config.write_text(CONFIG)
     recorder = Recorder()
-    spans = router_spans(20)
+    spans = sdk_spans(20)
 
     async def scenario():
         receivers = Receivers(OtlpConfig(grpc="127.0.0.1:0", http="127.0.0.1:0"), recorder)

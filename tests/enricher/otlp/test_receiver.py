@@ -25,10 +25,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+from sdk_spans import sdk_spans
 from zmq_ports import free_port
 
 try:  # Python 3.14 has it; before, its backport (a kvmiss dependency)
@@ -87,19 +85,6 @@ class RecordingConsumer:
 
     def spans(self) -> list:
         return [s for r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
-
-
-def sdk_spans(n: int = 3):
-    """Real finished SDK spans (ReadableSpan) with attributes."""
-    memory = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "router"}))
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracer = provider.get_tracer("kvmiss.test")
-    for i in range(n):
-        with tracer.start_as_current_span(f"llm_request {i}") as span:
-            span.set_attribute("gen_ai.request.id", f"req-{i}")
-            span.set_attribute("gen_ai.usage.prompt_tokens", 100 + i)
-    return memory.get_finished_spans()
 
 
 def otlp_request(ids: list[tuple[bytes, bytes]]) -> ExportTraceServiceRequest:
