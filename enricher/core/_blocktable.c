@@ -958,6 +958,7 @@ typedef struct {
     PyObject *note;         /* callable(event, seq) for GPU group-0 stores, or None */
     PyObject *recent;       /* the table the last call used (for prefetching), or NULL */
     unsigned long long gpu_removed; /* hashes removed from GPU group-0 tables so far (evictions) */
+    unsigned long long same_step_stores; /* same-step copies recorded in `same_step` so far */
     int orphans; /* set by the view while it holds uncounted stores: leave it a removal of a block
                   * with no live copy (the uncounted copy's own removal, EpochView._apply_event) */
 } Applier;
@@ -1183,6 +1184,7 @@ static PyObject *apply_encoded(Applier *a, KvEncodedEvents *e, PyObject *seq_obj
                     Py_XDECREF(key);
                     if (failed)
                         return NULL;
+                    a->same_step_stores++;
                 }
             }
         } else {
@@ -1321,6 +1323,7 @@ static PyObject *Applier_call(Applier *a, PyObject *args, PyObject *kwds) {
                 Py_ssize_t m = PyList_GET_SIZE(same_step);
                 for (Py_ssize_t j = 0; j < m && !failed; j++)
                     failed = PyDict_SetItem(a->same_step, PyList_GET_ITEM(same_step, j), seq_obj) < 0;
+                a->same_step_stores += (unsigned long long)m;
             }
             Py_XDECREF(same_step);
         } else {
@@ -1353,6 +1356,8 @@ static PyMemberDef Applier_members[] = {
      "nonzero: stop at a BlockRemoved whose first block has no live copy (left to Python)"},
     {"gpu_removed", T_ULONGLONG, offsetof(Applier, gpu_removed), READONLY,
      "hashes removed from GPU group-0 tables so far: the evictions what-if sizing counts"},
+    {"same_step_stores", T_ULONGLONG, offsetof(Applier, same_step_stores), READONLY,
+     "same-step copies put in `same_step` so far (a batch whose count moved is kept in order)"},
     {NULL, 0, 0, 0, NULL},
 };
 

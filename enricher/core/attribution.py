@@ -76,12 +76,14 @@ class Attributor:
         label stands only if every possible step gives it, otherwise nothing proves which
         step it was and the answer is unknown.
 
-        A step is not possible where the engine's own hit rule contradicts its count: for a
-        request that read the cache (`read_the_cache`: one that skips it misses what it holds),
-        KV-cache groups that held what vLLM's hit rule needs for a hit through the first missed
-        block would have given it (`ResidencyIndex.engine_would_hit`; a `resident_miss` there
-        is the request's own recompute, or another store inside the window, seen from a step
-        after it: ATTRIBUTION.md rule 4)."""
+        A step is not possible where the engine's own hit rule contradicts its count, whatever
+        label it gives: for a request that read the cache (`read_the_cache`: one that skips it
+        misses what it holds), KV-cache groups that held what vLLM's hit rule needs for a hit
+        through the first missed block would have given it (`ResidencyIndex.engine_would_hit`;
+        a `resident_miss` there is the request's own recompute, or another store inside the
+        window, seen from a step after it: ATTRIBUTION.md rule 4; an `evicted` there names a
+        block the window group needed for the longest hit while a shorter one stood). A window
+        with no possible step contradicts the spans: unknown."""
         t, latest = facts.lookup_time, facts.lookup_time_latest
         stamps = self.index.step_stamps_between(t, latest, MAX_WINDOW_STEPS)
         if stamps is None:
@@ -91,7 +93,7 @@ class Attributor:
         kept: Verdict | None = None
         for at in (t, *(math.nextafter(stamp, math.inf) for stamp in stamps)):  # just after a batch: the next step
             judged = verdict if at == t else self._attribute_at(msgspec.structs.replace(facts, lookup_time=at))
-            if (judged.label is Label.RESIDENT_MISS and read_cache and facts.worker is not None
+            if (read_cache and facts.worker is not None
                     and facts.block_hashes is not None
                     and self.index.engine_would_hit(facts.worker, at, facts.block_hashes, blocks,
                                                     (facts.prompt_tokens - 1) // facts.block_size, facts.block_size)):
@@ -100,7 +102,7 @@ class Attributor:
                 kept = judged
             elif judged.label is not kept.label:
                 return unsettled_lookup(kept, judged.label, latest - t)
-        return kept if kept is not None else verdict
+        return kept if kept is not None else unsettled_lookup(verdict, None, latest - t, contradicted=True)
 
     def _attribute_at(self, facts: RequestFacts) -> Verdict:
         # Gathered for a failed transfer too: the facts beyond the label are reported.

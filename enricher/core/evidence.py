@@ -425,13 +425,18 @@ def _no_copy_preceded(view: EpochView, facts: RequestFacts, step_seq: int) -> bo
     would have been held when the request looked. For a request that read the cache
     (`read_the_cache`), the engine's hit rule over what its groups held, with that block held
     besides, would then have given a longer hit than it reported -- so no copy preceded the
-    lookup, and the step's stores came after it. Otherwise (a request that may have skipped
-    the cache, a group the rule does not model) the doubt stays."""
+    lookup, and the step's stores came after it. On a hybrid the block alone does not make a
+    hit (a window group may not have kept the window there): what the step stored up to that
+    first copy, in every group, is held besides (`EpochView.stored_in_step_through`). Otherwise
+    (a request that may have skipped the cache, a group the rule does not model, a step whose
+    order was not kept) the doubt stays."""
     chain, b = facts.block_hashes, facts.block_size
     if chain is None or not read_the_cache(facts):
         return False
     k = facts.cached_tokens // b
-    return view.engine_would_hit(chain, k + 1, (facts.prompt_tokens - 1) // b, b, step_seq, assume_held=k)
+    also = view.stored_in_step_through(step_seq, chain[k]) if view.hybrid and k < len(chain) else None
+    return view.engine_would_hit(chain, k + 1, (facts.prompt_tokens - 1) // b, b, step_seq, assume_held=k,
+                                 also_held=also)
 
 
 def gather(

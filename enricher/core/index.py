@@ -40,7 +40,7 @@ from bisect import bisect_right
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from kvmiss.enricher.core.divergence import SiblingRegistry
-from kvmiss.enricher.core.hit_rule import hybrid_hit
+from kvmiss.enricher.core.hit_rule import hybrid_hit, window_needed
 from kvmiss.enricher.core.membership import Joined, Membership
 from kvmiss.enricher.core.residency_table import (
     SEQ_SPAN, Applier, BlockTable, bisect_left, bloom_add, warn_if_not_accelerated,
@@ -306,6 +306,13 @@ class EpochView:
         self.unproven: dict[Tier, dict[int, list[int]]] = {}
         # The same stores as events: seq -> [(tier, hashes)], for `confirm_re_announcement`.
         self.unproven_stores: dict[int, list[tuple[Tier, tuple[int, ...]]]] = {}
+        # The engine time of the first prune that dropped such marks (None: none yet): from
+        # then on a block may be held by a store the view no longer remembers (`_tail_readable`).
+        self.unproven_pruned_ts: float | None = None
+        # A window group's parentless stores of the batch being applied, by index: whether
+        # each may have been a re-announcement (`_may_re_announce`).
+        self._window_checks: dict[int, bool] = {}
+        self._window_checks_seq: int | None = None
         # Per-worker event facts for the metrics (the index's `anomalies`, shared by its views).
         self.counts: collections.Counter = counts if counts is not None else collections.Counter()
         # False: the deployment promises no request re-announces ([history] kv_cache_report_mode
@@ -330,6 +337,11 @@ class EpochView:
         # re-announcement by a request that hit the block -- stored earlier in the step, which
         # proves nothing against the rule -- or a duplicate. Gone when its request confirms it.
         self.same_step_unproven: dict[object, int] = {}
+        # The events of those batches (seq -> events, in the engine's order), pruned with them:
+        # on a hybrid, what was stored in the step before a copy tells whether the engine would
+        # have hit the block had that copy preceded the lookup (`stored_in_step_through`).
+        self.copy_steps: dict[int, Sequence] = {}
+        self._same_step_in_python = 0  # same-step copies recorded by `_apply_event`
         self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
         self.last_ts: float | None = None
         # Engine times at which a lookup cannot be placed among this lifetime's batches: the
@@ -375,10 +387,14 @@ class EpochView:
         self.log_ts.append(ts)
         events, applier = batch.events, self._applier
         if applier is None:
-            for event in events:
-                self._apply_event(event, seq, ts, events)
+            copied = self._same_step_in_python
+            for at, event in enumerate(events):
+                self._apply_event(event, seq, ts, events, at)
             self.log_removed.append(self._removed_in_python)
+            if self._same_step_in_python != copied:
+                self.copy_steps[seq] = events
             return
+        copied = applier.same_step_stores + self._same_step_in_python
         # The compiled loop stops at what it leaves to Python (a clear, a first event of a
         # new medium or group, a store or removal `_apply_event` weighs); handle that one
         # here and resume after it.
@@ -386,12 +402,14 @@ class EpochView:
         applier.orphans = 1 if self.unproven else 0
         i, n = applier(events, seq, ts), len(events)
         while i < n:
-            self._apply_event(events[i], seq, ts, events)
+            self._apply_event(events[i], seq, ts, events, i)
             applier.orphans = 1 if self.unproven else 0
             i = applier(events, seq, ts, i + 1)
         self.log_removed.append(applier.gpu_removed + self._removed_in_python)
+        if applier.same_step_stores + self._same_step_in_python != copied:
+            self.copy_steps[seq] = events
 
-    def _apply_event(self, event, seq: int, ts: float, batch=()) -> None:
+    def _apply_event(self, event, seq: int, ts: float, batch=(), at: int = -1) -> None:
         cls = event.__class__
         if cls is AllBlocksCleared:
             self._clear(seq, ts)
@@ -412,7 +430,7 @@ class EpochView:
                 self.counts[("stores_without_hashes", self.worker)] += 1
                 return
             if (self.re_announcements and event.parent_block_hash is None and hashes and table.copies(hashes[-1])
-                    and self._may_re_announce(event, batch)):
+                    and self._may_re_announce(event, batch, at, seq)):
                 self._unproven_store(event, seq, table if gpu_group0 else None)
                 return
             size = event.block_size
@@ -430,6 +448,7 @@ class EpochView:
             if copies is not None and gpu_group0:
                 for key in copies:
                     self.same_step_copies[key] = seq
+                self._same_step_in_python += len(copies)
         elif cls is BlockRemoved:
             hashes = event.block_hashes
             if self.unproven and hashes and not table.copies(hashes[0]):
@@ -512,23 +531,94 @@ class EpochView:
                 found = primary.as_of(h, seq + 1)
                 if found is not None and found[0] == seq and found[1] is None:
                     self.same_step_unproven[h] = seq
+                    self._same_step_in_python += 1
         self.counts[("re_announced_stores", self.worker)] += 1
         self.counts[("re_announced_blocks", self.worker)] += len(event.block_hashes)
 
-    def _may_re_announce(self, event: BlockStored, batch) -> bool:
-        """Whether a store with no parent re-storing a resident chain may be a re-announcement.
-        vLLM re-announces a reused chain in every group that hit it, the full-attention group
-        included and with the same hashes (one block size). A window group's own stores have no
-        parent either (it stores the window at a prompt's end), so one there is a
-        re-announcement only beside the full-attention group's store of the same chain in the
-        same batch; else it is the group's real store (a window recomputed while still kept)."""
+    def _may_re_announce(self, event: BlockStored, batch, at: int, seq: int) -> bool:
+        """Whether a store with no parent re-storing a resident chain (``batch[at]``) may be a
+        re-announcement. vLLM re-announces a reused chain in one call, group by group in group
+        order (`KVCacheCoordinator.emit_cached_block_events`), every group with the same hashes
+        (one block size) and parentless -- and a sliding-window group only re-announces a chain
+        whose last ``cdiv(W - 1, B)`` blocks it held (what its hit needed). So:
+
+          * a window group's store is a re-announcement only beside the full-attention group's
+            store of the same chain, and only if the group held that tail; else it is the
+            group's own store (a window stores its blocks with no parent too);
+          * a full-attention store is one only if each window group's event of the call --
+            the nearest of that group in the run of such stores around it -- may be one too.
+            A recompute after a `window_limit` miss re-stores the full-attention chain with no
+            parent, but its window store is of a tail the group did not hold: a real copy.
+
+        The tail is read only while the view's history is whole (`_tail_readable`)."""
         group = event.group_idx or 0
         primary = self.groups.get(self.primary_group)
-        if group == self.primary_group or primary is None or not primary.full_attention:
+        if primary is None or not primary.full_attention:
             return True
         hashes = event.block_hashes
-        return any(e.__class__ is BlockStored and (e.group_idx or 0) == self.primary_group
-                   and e.parent_block_hash is None and e.block_hashes == hashes for e in batch)
+        if group != self.primary_group:
+            if not any(e.__class__ is BlockStored and (e.group_idx or 0) == self.primary_group
+                       and e.parent_block_hash is None and e.block_hashes == hashes for e in batch):
+                return False
+            spec = self.groups.get(group)
+            if spec is None or spec.window_blocks is None or not self._tail_readable():
+                return True
+            held = self._window_tail_held(group, event.medium, hashes, spec.window_blocks)
+            if self._window_checks_seq != seq:
+                self._window_checks_seq = seq
+                self._window_checks.clear()
+            self._window_checks[at] = held
+            return held
+        if at < 0 or canonical_medium(event.medium) != GPU or not self._tail_readable():
+            return True
+        for spec in self.groups.values():
+            if spec.idx != group and spec.window_blocks is not None and spec.block_size == primary.block_size:
+                if not self._window_call_may_re_announce(spec, batch, at, seq, hashes):
+                    return False
+        return True
+
+    def _window_call_may_re_announce(self, spec: KVCacheGroup, batch, at: int, seq: int, hashes) -> bool:
+        """Whether window group ``spec``'s event in the re-announcement call ``batch[at]`` would
+        belong to may be a re-announcement: the nearest event of that group in the run of
+        parentless stores of the same chain around ``at`` -- before it when the group comes
+        first, after it otherwise -- exists and the group held the chain's tail at it."""
+        step = -1 if spec.idx < (batch[at].group_idx or 0) else 1
+        i = at + step
+        while 0 <= i < len(batch):
+            e = batch[i]
+            if e.__class__ is not BlockStored or e.parent_block_hash is not None or e.block_hashes != hashes:
+                return False  # the run ended without the group's event: no call covered it
+            if (e.group_idx or 0) == spec.idx:
+                if step < 0:  # applied already: as it was judged (unjudged: its last block was not held)
+                    return self._window_checks_seq == seq and self._window_checks.get(i, False)
+                # Still to come: between here and there only other groups' stores, so the
+                # group's table is as it will be at its event.
+                return self._window_tail_held(spec.idx, e.medium, hashes, spec.window_blocks)
+            i += step
+        return False
+
+    def _window_tail_held(self, group: int, medium, hashes, need: int) -> bool:
+        """Whether a window group may have held, now, the blocks its hit of the chain
+        ``hashes`` needed -- counted, or stored by a store not counted (`unproven`), or aged
+        out of the records (`pruned`)."""
+        tier = Tier(canonical_medium(medium), group)
+        table = self.tiers.get(tier)
+        marks = self.unproven.get(tier, {})
+        for i in window_needed(len(hashes), need):
+            h = hashes[i]
+            if not (table is not None and table.copies(h)) and h not in marks and not (
+                    self.unproven_pruned_ts is not None and h in self.pruned):
+                return False
+        return True
+
+    def _tail_readable(self) -> bool:
+        """Whether a block with no copy and no mark was surely not held: the run is whole
+        from a known-empty point (epoch start or a clear) and no store left uncounted has been
+        forgotten by the aged-out filter."""
+        if self.known_empty_since is None:
+            return False
+        since, forgotten = self.unproven_pruned_ts, self.pruned.forgotten_through
+        return since is None or forgotten is None or forgotten < since
 
     def unproven_before(self, group: int, key: int, seq: int, medium: str = GPU) -> bool:
         """Whether a store of ``key`` not counted as a copy (see ``unproven``) came before
@@ -585,6 +675,24 @@ class EpochView:
         (`same_step_copies`, or a second store not yet told apart: `same_step_unproven`)."""
         return self.same_step_copies.get(key) == step_seq or self.same_step_unproven.get(key) == step_seq
 
+
+    def stored_in_step_through(self, step_seq: int, key: int) -> dict[int, set[int]] | None:
+        """What batch ``step_seq`` stored on the GPU, per group, up to and including its first
+        store of ``key`` in the primary group: held at any lookup after that store in the step
+        (blocks a running request just stored are pinned; nothing in the step evicts them).
+        None when the batch's order was not kept (`copy_steps`) or it never stored ``key``."""
+        events = self.copy_steps.get(step_seq)
+        if events is None:
+            return None
+        stored: dict[int, set[int]] = {}
+        for event in events:
+            if event.__class__ is not BlockStored or canonical_medium(event.medium) != GPU:
+                continue
+            group = event.group_idx or 0
+            stored.setdefault(group, set()).update(event.block_hashes)
+            if group == self.primary_group and key in event.block_hashes:
+                return stored
+        return None
     def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable] | None:
         """The (primary GPU table?, table) of the event's (medium, group), made on its first
         event; None past `MAX_TIERS` (refused). The group's spec is learned here from its
@@ -686,12 +794,16 @@ class EpochView:
             del copies[key]
         for key in [k for k, q in self.same_step_unproven.items() if horizon_seq is None or q < horizon_seq]:
             del self.same_step_unproven[key]
+        for seq in [q for q in self.copy_steps if horizon_seq is None or q < horizon_seq]:
+            del self.copy_steps[seq]
         for seq in [q for q in self.unproven_stores if horizon_seq is None or q < horizon_seq]:
             del self.unproven_stores[seq]
         for tier, marks in list(self.unproven.items()):
             old = [h for h, seqs in marks.items() if horizon_seq is None or seqs[0] < horizon_seq]
             for h in old:
                 del marks[h]
+            if old and self.unproven_pruned_ts is None:
+                self.unproven_pruned_ts = before_ts
             self.pruned.add_many(old, before_ts)  # an absence claim that would need one answers aged out
             if not marks:
                 del self.unproven[tier]  # (an empty dict would keep the view off the fast path)
@@ -845,13 +957,15 @@ class EpochView:
                 for node in self.residency(group, keys, step_seq)]
 
     def engine_would_hit(self, chain: Sequence[int], blocks: int, limit: int, block_size: int,
-                         step_seq: int, assume_held: int | None = None) -> bool:
+                         step_seq: int, assume_held: int | None = None,
+                         also_held: dict[int, set[int]] | None = None) -> bool:
         """Whether the engine's prefix lookup in batch ``step_seq``, allowed at most ``limit``
         blocks (its lookup limit), would have hit at least ``blocks`` blocks of ``chain``, by
         its hit rule over what every GPU group provably held (`held`;
         `enricher/core/hit_rule.py`: a window group may accept a longer hit while refusing a
         shorter one). ``assume_held``: a block of ``chain`` taken as held in the primary group
-        besides (a hypothesis to refute: the engine's hit only grows with what is held). False
+        besides (a hypothesis to refute: the engine's hit only grows with what is held);
+        ``also_held``: hashes per group taken as held besides (`stored_in_step_through`). False
         whenever that is not proven: a group of a kind or block size the rule does not model."""
         limit = min(limit, len(chain))
         if blocks <= 0 or limit < blocks:
@@ -860,7 +974,8 @@ class EpochView:
             held = self.held(self.primary_group, chain[:blocks], step_seq)
             if assume_held is not None and 0 <= assume_held < blocks:
                 held[assume_held] = True
-            return all(held)
+            extra = (also_held or {}).get(self.primary_group, ())
+            return all(was or h in extra for was, h in zip(held, chain))
         groups = [self.groups.get(t.group) for t in self.tiers if t.medium == GPU]
         if any(g is None or g.block_size != block_size or (not g.full_attention and g.window_blocks is None)
                for g in groups):
@@ -868,6 +983,9 @@ class EpochView:
         held = {g.idx: self.held(g.idx, chain[:limit], step_seq) for g in groups}  # type: ignore[union-attr]
         if assume_held is not None and 0 <= assume_held < limit and self.primary_group in held:
             held[self.primary_group][assume_held] = True
+        for group, hashes in (also_held or {}).items():
+            if group in held:
+                held[group] = [was or h in hashes for was, h in zip(held[group], chain)]
         hit, _ = hybrid_hit(groups, lambda group, i: held[group][i], limit)  # type: ignore[arg-type]
         return hit >= blocks
 

@@ -256,12 +256,15 @@ def attribute(
     return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
 
 
-def unsettled_lookup(verdict: Verdict, other: Label | None, window_s: float) -> Verdict:
+def unsettled_lookup(verdict: Verdict, other: Label | None, window_s: float, *, contradicted: bool = False) -> Verdict:
     """The answer when the spans bound a request's lookup to a window only (vLLM's
     `llm_request`: queue time and time to first token) and ``verdict``, judged at its start,
     is not what every engine step in the window gives: ``other`` at a later step, or None when
-    the window reaches more steps than are judged. The request's own facts stay."""
-    if other is None:
+    the window reaches more steps than are judged; ``contradicted``: in every step the engine's
+    hit rule would have given more than it reported. The request's own facts stay."""
+    if contradicted:
+        why = "has no engine step where the engine's hit rule gives the cached tokens it reported"
+    elif other is None:
         why = "reaches more engine steps than kvmiss judges one by one"
     else:
         why = f"holds engine steps that give {verdict.label.value} and {other.value}"

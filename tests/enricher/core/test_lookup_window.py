@@ -11,7 +11,8 @@ wrong step."""
 from __future__ import annotations
 
 import msgspec
-from fleet_builders import PARENT, H, WorkerFeed, chain_request, full_stored, removed, request, stored, window_stored
+from fleet_builders import (PARENT, WINDOW, H, WorkerFeed, chain_request, full_stored, group_removed, removed, request,
+                            stored, window_stored)
 
 from kvmiss.enricher.core.attribution import MAX_WINDOW_STEPS, Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
@@ -122,3 +123,31 @@ def test_on_a_hybrid_the_window_groups_rule_decides_whether_the_engine_would_hav
     assert Attributor(index).attribute(facts).label is Label.NO_MATCH
     maybe_skipped = msgspec.structs.replace(facts, skip_reading_prefix_cache=None)
     assert Attributor(index).attribute(maybe_skipped).label is Label.UNKNOWN_HISTORY
+
+
+def test_a_step_where_the_engine_would_have_hit_is_ruled_out_whatever_its_label():
+    """The hybrid's window group held blocks 0..2 from step 3 and lost block 2 in step 8. In a
+    step after that, evidence names the removed block the window group needed for a three-block
+    hit (evicted), but vLLM's window search still finds blocks 0 and 1 and the engine would have
+    hit two -- the request got none, so its lookup was not there. Only the steps before 3 remain:
+    no_match (seen on the real engine, 8 in flight: evicted against no_match had left it unknown)."""
+    chain = [0xD0_0000 + i for i in range(3)]
+    index, a = one_worker({1: [window_stored(0xAAAA), full_stored(0xBBBB)],
+                           3: [window_stored(*chain), full_stored(*chain)],
+                           8: group_removed(WINDOW, chain[2])})
+    facts = chain_request("A", a.ts(2) - 0.5, chain, prompt_tokens=100, cached_tokens=0,
+                          lookup_time_latest=a.ts(9) - 0.5, skip_reading_prefix_cache=False)
+    late = msgspec.structs.replace(facts, lookup_time=a.ts(9) - 0.5, lookup_time_latest=None)
+    assert Attributor(index).attribute(late).label is Label.EVICTED  # what the late step alone says
+    assert Attributor(index).attribute(facts).label is Label.NO_MATCH
+    maybe_skipped = msgspec.structs.replace(facts, skip_reading_prefix_cache=None)
+    assert Attributor(index).attribute(maybe_skipped).label is Label.UNKNOWN_HISTORY
+
+
+def test_a_window_where_every_step_would_have_hit_contradicts_the_spans_and_is_unknown():
+    """PARENT and H held through the whole window: vLLM would have hit both in every step, yet
+    the engine reported nothing cached. No step fits: unknown, never the label of one of them."""
+    index, a = one_worker({2: [stored(PARENT)], 3: [stored(H, parent=PARENT)]})
+    v = Attributor(index).attribute(request("A", a.ts(6) - 0.5, cached_blocks=0, first_miss=PARENT,
+                                            lookup_time_latest=a.ts(9) - 0.5, skip_reading_prefix_cache=False))
+    assert v.label is Label.UNKNOWN_HISTORY and "no engine step" in v.reason

@@ -225,3 +225,90 @@ def test_a_re_announcement_in_the_step_that_stored_the_block_is_no_second_copy_o
                                block_size=16, kv_cache_report_mode="full"))
     assert index.anomalies[("re_announced_confirmed", "A")] == 1
     assert judge(index, miss).label is Label.NO_MATCH
+
+
+# --- a hybrid's window group tells a recompute from a re-announcement -------------------------
+# vLLM re-announces a chain in every group in one call (group order), and a sliding-window group
+# re-announces only a chain whose last cdiv(W - 1, B) blocks it held -- its hit needed them. A
+# `window_limit` miss at block 0 recomputes the prompt: the full-attention group stores its
+# resident chain again with no parent, and the window group stores blocks it did not hold. That
+# is a real copy (seen on the real engine: a Gemma-3-style model, 8 in flight, full report mode).
+
+P = [0xA000 + i for i in range(6)]
+
+
+def _recompute_then_removal(window_group: int, full_group: int, first: str) -> tuple[ResidencyIndex, WorkerFeed]:
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    window = window_stored(P[0], P[1], group=window_group)
+    full = full_stored(P[0], P[1], group=full_group)
+    feed(index, a, {
+        3: [window_stored(P[4], P[5], group=window_group), full_stored(*P, group=full_group)],  # P: the window keeps its tail
+        6: [window, full] if first == "window" else [full, window],  # Q = P[:2]: 0 cached (window_limit), recomputed
+        9: group_removed(full_group, P[0]),  # one of the two copies
+    })
+    return index, a
+
+
+def test_a_window_limit_recompute_is_a_real_copy_whichever_group_comes_first():
+    for window_group, full_group, first in ((0, 1, "window"), (1, 0, "full")):
+        index, a = _recompute_then_removal(window_group, full_group, first)
+        view = index.views("A")[0]
+        assert index.anomalies[("re_announced_stores", "A")] == 0, first
+        assert view.tiers[("GPU", full_group)].copies(P[0]) == 1 and view.tiers[("GPU", window_group)].copies(P[0]) == 1
+        # a lookup after the removal: the second copy stayed, and the window group held the
+        # window, so the engine would have hit block 0 -- resident, not a doubt about a mark
+        v = judge(index, chain_request("A", a.ts(12) - 0.5, P[:2] + [0xBEEF], prompt_tokens=80, cached_tokens=0,
+                                       skip_reading_prefix_cache=False))
+        assert v.label is Label.RESIDENT_MISS, (first, v.reason)
+
+
+def test_a_re_announcement_of_a_chain_whose_window_the_group_held_stays_a_possible_one():
+    """The same stores, but the window group held Q's window (P[:2]) before: a full-report hit of
+    Q would re-announce exactly this, so nothing is counted until its request says which."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [window_stored(*P[:2]), full_stored(*P)],
+                    6: [window_stored(*P[:2]), full_stored(*P[:2])]})
+    assert index.anomalies[("re_announced_stores", "A")] == 2
+    assert index.views("A")[0].media["GPU"].copies(P[0]) == 1
+
+
+def test_a_recompute_and_a_re_announcement_of_one_chain_in_one_step_are_told_apart():
+    """In one step request A recomputes Q (window_limit) and request B, scheduled after it,
+    hits A's fresh blocks and re-announces them: only B's pair is a possible re-announcement."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [window_stored(P[4], P[5]), full_stored(*P)],
+                    6: [window_stored(*P[:2]), full_stored(*P[:2]), window_stored(*P[:2]), full_stored(*P[:2])]})
+    view = index.views("A")[0]
+    assert index.anomalies[("re_announced_stores", "A")] == 2  # B's two events
+    assert view.media["GPU"].copies(P[0]) == 2 and view.tiers[("GPU", WINDOW)].copies(P[0]) == 1
+
+
+def test_without_a_whole_history_the_window_groups_tail_proves_nothing():
+    """Followed from a joined run (blocks stored before kvmiss followed are not in its tables),
+    a tail the window group shows no copy of may have been held: the full-attention group's
+    store stays a possible re-announcement."""
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {3: [window_stored(P[4], P[5]), full_stored(*P)],
+                    6: [window_stored(*P[:2]), full_stored(*P[:2])]}, seqs=range(2, 30))
+    view = index.views("A")[0]
+    assert view.unproven_before(FULL, P[0], 7) and view.media["GPU"].copies(P[0]) == 1
+
+
+def test_a_copy_stored_earlier_in_the_lookup_step_would_have_been_hit_so_none_preceded():
+    """Two copies of Q's first block in Q's lookup step. Had the first preceded the lookup, its
+    call stored the window group's blocks too, and vLLM's hit rule over them gives a hit Q did
+    not get: so no copy preceded, and the step's stores came after the lookup (no_match). With
+    the full-attention group first in the step, the window group's part of that call comes
+    after the copy, and the doubt stays."""
+    q = [0xC000, 0xC001]
+    for window_group, full_group, expected in ((0, 1, Label.NO_MATCH), (1, 0, Label.UNKNOWN_HISTORY)):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        pair = ([window_stored(*q, group=window_group), full_stored(*q, group=full_group)] if window_group == 0
+                else [full_stored(*q, group=full_group), window_stored(*q, group=window_group)])
+        feed(index, a, {3: [window_stored(P[4], P[5], group=window_group), full_stored(*P, group=full_group)],
+                        6: pair + pair})  # another request's compute, then Q's own (or a re-announcement)
+        v = judge(index, chain_request("A", a.ts(6) - 0.5, q, prompt_tokens=64, cached_tokens=0,
+                                       skip_reading_prefix_cache=False))
+        assert v.label is expected, (window_group, v.reason)
+        if expected is Label.UNKNOWN_HISTORY:
+            assert "two copies" in v.reason or "re-announce" in v.reason

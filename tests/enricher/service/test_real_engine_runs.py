@@ -171,11 +171,14 @@ def test_a_lookup_time_from_llm_request_is_judged_over_its_window_on_the_real_en
 
 def test_the_hybrid_with_full_reports_and_8_in_flight_gets_no_wrong_label_over_its_windows(tmp_path):
     """The Gemma-3-style hybrid, full report mode on 30 % and the last 40 % 8 in flight
-    (2026-12-05). Every label is the engine's or honestly unknown. Its unknowns exceed the 1 %
-    budget (benchmarks/RESULTS.md): 3 windows reach the step of two copies of the first missed
-    block, 2 the step after a store of it inside the window, 1 is a duplicate store with no
-    parent nothing confirmed. (Judged again once every request was seen, 3 of the 6 are
-    settled: the requests whose re-announcements they needed came later.)"""
+    (2026-12-05). Every label is the engine's or honestly unknown. Judged as the live run was
+    (each request when it came), it had 6 unknowns of 80 misses; 5 are settled since:
+    a `window_limit` miss's recompute is a real copy, not a possible re-announcement (the
+    window group stored a tail it did not hold), a copy earlier in the lookup step would have
+    been hit with the window blocks its call stored, and a step where the engine would have hit
+    is ruled out whatever its label. One remains: a window reaching the step after a store of
+    the block and its removal (evicted there, no_match before) -- nothing on the wire says the
+    store was the request's own recompute."""
     path = DATA / "vllm-0.32.0-gemma3-full-report-concurrent.jsonl.gz"
     _, live, requests = load(path)
     assert [m["seq"] for m in live] == list(range(len(live)))
@@ -186,8 +189,7 @@ def test_the_hybrid_with_full_reports_and_8_in_flight_gets_no_wrong_label_over_i
     assert [(want, got) for want, got, _ in judged if not got.startswith("unknown") and got != want] == []
     assert {"window_limit", "evicted", "no_match"} <= {want for want, _, _ in judged} and stream.skipped
     unknown = [reason for want, got, reason in judged if got.startswith("unknown")]
-    assert all("window" in r or "re-announce" in r for r in unknown), unknown
-    assert len(unknown) <= 0.08 * len([x for x in judged if x[0] not in ("hit", "lookup_limit")])
+    assert len(unknown) <= 1 and all("window" in r for r in unknown), unknown
 
 
 def test_the_mamba_groups_stores_without_a_hash_are_counted_logged_once_and_skipped(tmp_path, caplog):
