@@ -127,6 +127,9 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     # it read the prefix cache, so the engine's hit rule applies to it even when it hit
     # nothing; None: not known (a request that hit a block read it all the same).
     skip_reading_prefix_cache: bool | None = None
+    # A full-report request's lookups before the one that admitted it: (engine-clock seconds,
+    # cached tokens found). Each that hit re-announced what it hit, in its own step.
+    earlier_lookups: tuple[tuple[float, int], ...] = ()
     # Opt-in prompt material, for divergence detail only: used in memory, never written out.
     token_ids: list[int] | None = None
     extra_keys: ExtraKeysSpec | None = None
@@ -161,6 +164,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     predicted_cached_tokens: int | None = None
     kv_cache_report_mode: str | None = None
     skip_reading_prefix_cache: bool | None = None
+    earlier_lookups: tuple[tuple[float, int], ...] = ()
     finish_time: float | None = None
     output_tokens: int | None = None
 

@@ -58,6 +58,14 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # rule applies to it; set by the kvmiss vLLM plugin, or a router that knows its requests.
     skip_reading_prefix_cache: list[str] = msgspec.field(
         default_factory=lambda: ["kvmiss.skip_reading_prefix_cache"])
+    # A full-report request's lookups before the one that admitted it (vLLM looks a waiting
+    # request up again each step until its blocks fit, and each lookup that hit re-announced
+    # what it hit): their times (unix nanoseconds, engine clock) and the cached tokens each
+    # found, index for index; set by the kvmiss vLLM plugin.
+    earlier_lookup_times_unix_nano: list[str] = msgspec.field(
+        default_factory=lambda: ["kvmiss.earlier_lookup_times_unix_nano"])
+    earlier_lookup_cached_tokens: list[str] = msgspec.field(
+        default_factory=lambda: ["kvmiss.earlier_lookup_cached_tokens"])
     transfer_result: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.result"])
     transfer_source: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.transfer.source"])
     # Prompt tokens the engine computed (and wrote to the cache): the GenAI conventions' cache

@@ -125,19 +125,27 @@ class Attributor:
         blocks tells its own step's store with no parent of exactly them apart from a
         recomputed duplicate: it was its re-announcement (ATTRIBUTION.md rule 7;
         `ResidencyIndex.confirm_re_announcement`: the first such store at or after its lookup
-        step, or at all when its lookup time is not known). A request not known to be in that mode
+        step, or at all when its lookup time is not known), and one for each earlier lookup of it
+        that hit (vLLM looks a waiting request up each step until it is admitted; the plugin
+        says when: `RequestFacts.earlier_lookups`). A request not known to be in that mode
         confirms nothing: beside it, a request that skips the cache can store a real second
         copy of the very chain it hit. Only the index's marks change."""
         b, chain, t, worker = facts.block_size, facts.block_hashes, facts.lookup_time, facts.worker
         if facts.kv_cache_report_mode != "full":
             return  # only a request in full report mode re-announces (a duplicate looks the same)
-        if b <= 0 or facts.cached_tokens < b or not chain or worker is None:
+        if b <= 0 or not chain or worker is None:
             return
         view = self.index.current.get(worker)
         if (view is None or not view.unproven) and not self.index.previous.get(worker):
             return
-        self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]),
-                                           facts.lookup_time_latest)
+        if facts.cached_tokens >= b:
+            self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]),
+                                               facts.lookup_time_latest)
+        # Looked up before, not admitted then (its blocks did not fit): each of those lookups
+        # that hit re-announced too, in its own step (the plugin's exact times).
+        for at, cached in facts.earlier_lookups:
+            if cached >= b and cached // b <= len(chain):
+                self.index.confirm_re_announcement(worker, at, list(chain[:cached // b]), at)
 
     def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:
         """Which sibling under the request's parent block it left, and how (None when the

@@ -21,6 +21,7 @@ Pure: no clock, no I/O. The pipeline decides when to stop waiting.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -363,12 +364,26 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         route_policy=m.get("route_policy"),
         kv_cache_report_mode=m.get("kv_cache_report_mode"),
         skip_reading_prefix_cache=m.get("skip_reading_prefix_cache"),
+        earlier_lookups=_earlier_lookups(m.get("earlier_lookup_times_unix_nano"),
+                                         m.get("earlier_lookup_cached_tokens"), errors),
         predicted_cached_tokens=m.get("predicted_cached_tokens"),
         token_ids=token_ids,
         extra_keys=spec,
         finish_time=m.get("finish_time"),
         output_tokens=m.get("output_tokens"),
     )
+
+
+def _earlier_lookups(times: Sequence[int] | None, cached: Sequence[int] | None,
+                     errors: list[str]) -> tuple[tuple[float, int], ...]:
+    """The plugin's earlier lookups as (engine-clock seconds, cached tokens); two lists of
+    unequal length (or one alone) say nothing sure: none, and the input is named bad."""
+    if not times and not cached:
+        return ()
+    if times is None or cached is None or len(times) != len(cached) or any(c < 0 for c in cached):
+        errors.append("kvmiss.earlier_lookup_times_unix_nano")
+        return ()
+    return tuple((t / 1e9, c) for t, c in zip(times, cached))
 
 
 def _extra_keys(text: str | None, errors: list[str]) -> ExtraKeysSpec | None:

@@ -56,6 +56,8 @@ class SpanFacts(msgspec.Struct, kw_only=True):
     recomputed_tokens: int | None = None
     kv_cache_report_mode: str | None = None
     skip_reading_prefix_cache: bool | None = None
+    earlier_lookup_times_unix_nano: list[int] | None = None
+    earlier_lookup_cached_tokens: list[int] | None = None
     tenant_policy: str | None = None
     adapter: str | None = None
     model_revision: str | None = None
@@ -169,14 +171,16 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "extra_key_kinds": _str_list, "lookup_time_unix_nano": _int, "time_in_queue_s": _float,
     "time_to_first_token_s": _float, "prefill_time_s": _float,
     "transfer_result": _transfer_result, "transfer_source": _str, "recomputed_tokens": _int,
-    "kv_cache_report_mode": _str, "skip_reading_prefix_cache": _bool, "tenant_policy": _str, "adapter": _str, "model_revision": _str, "template_version": _str,
-    "output_tokens": _int,
+    "kv_cache_report_mode": _str, "skip_reading_prefix_cache": _bool, "tenant_policy": _str, "adapter": _str,
+    "model_revision": _str, "template_version": _str, "output_tokens": _int,
+    "earlier_lookup_times_unix_nano": _int_list, "earlier_lookup_cached_tokens": _int_list,
 }
 
 # Facts that never make a span a fragment on their own: a span carrying only them (an LLM
 # client's span with its token usage) passes through as if it carried none, as it did
 # before they were read -- it is no request kvmiss could judge.
-_RIDERS = frozenset({"output_tokens", "time_to_first_token_s", "prefill_time_s"})
+_RIDERS = frozenset({"output_tokens", "time_to_first_token_s", "prefill_time_s", "earlier_lookup_times_unix_nano",
+                     "earlier_lookup_cached_tokens"})
 
 _UNUSABLE = object()  # kvlist / bytes / empty values: no converter accepts it
 _KEY = operator.attrgetter("key")

@@ -64,6 +64,7 @@ def record_of(facts: RequestFacts, trace_id: bytes | None = None) -> RequestReco
         lookup_time_latest=facts.lookup_time_latest, block_hashes=facts.block_hashes, extra_key_kinds=facts.extra_key_kinds, transfers=facts.transfers,
         instance_hint=facts.instance_hint, route_policy=facts.route_policy,
         kv_cache_report_mode=facts.kv_cache_report_mode, skip_reading_prefix_cache=facts.skip_reading_prefix_cache,
+        earlier_lookups=facts.earlier_lookups,
         predicted_cached_tokens=facts.predicted_cached_tokens, finish_time=facts.finish_time,
         output_tokens=facts.output_tokens)
 

@@ -10,7 +10,9 @@ engine-core process, where the scheduler lives, and wraps two methods of that sc
   time around it and what the lookup found: request id, tokens at lookup, locally cached tokens,
   a reference to the request's block-hash list, the extra-key kinds (``lora``, ``mm``,
   ``cache_salt``, ``prompt_embeds``) and the ``trace_headers`` vLLM kept from the client's
-  ``traceparent``. A request looked up again (not admitted in that step) is simply overwritten.
+  ``traceparent``. A request looked up again (not admitted in that step) is overwritten; in
+  full report mode the earlier lookups that hit are kept on it (times and cached tokens): each
+  re-announced its hit in its own step, which kvmiss must tell from a copy.
 * ``allocate_slots(request, ...)`` -- admission. When it succeeds for a request with a noted
   lookup, that lookup is the one that decided the request's cached tokens: it goes into a
   bounded queue. Lookups after a preemption are not recorded (the request's reported cached
@@ -65,6 +67,7 @@ DP_RANK_PLACEHOLDER = "{dp_rank}"
 MAX_PENDING = 4096  # lookups not yet admitted (waiting requests); oldest dropped beyond
 MAX_QUEUE = 16384  # admitted lookups not yet turned into spans; oldest dropped beyond
 MAX_CHAIN_BLOCKS = 4096  # a longer chain is not attached (kvmiss then says it cannot see H)
+MAX_EARLIER_LOOKUPS = 32  # a full-report request's re-announcing lookups before admission kept (the latest)
 DEFAULT_INTERVAL_S = 0.25
 
 # kvmiss's input attribute names (defaults of schemas/span_attributes.InputNames; a test keeps
@@ -77,6 +80,8 @@ ATTR_REPORT_MODE = "kvmiss.kv_cache_report_mode"
 ATTR_SKIP_READING = "kvmiss.skip_reading_prefix_cache"
 ATTR_BLOCK_HASHES = "kvmiss.block_hashes"
 ATTR_LOOKUP_TIME = "kvmiss.lookup_time_unix_nano"
+ATTR_EARLIER_LOOKUP_TIMES = "kvmiss.earlier_lookup_times_unix_nano"
+ATTR_EARLIER_LOOKUP_CACHED = "kvmiss.earlier_lookup_cached_tokens"
 ATTR_EXTRA_KEY_KINDS = "kvmiss.extra_key_kinds"
 ATTR_DP_RANK = "kvmiss.route.dp_rank"
 
@@ -103,6 +108,9 @@ class LookupRecord(NamedTuple):
     report_mode: str | None = None
     # vLLM's `skip_reading_prefix_cache` (a bool; None when the request has none).
     skip_reading: bool | None = None
+    # A full-report request's lookups before this one that were not admitted and hit:
+    # (start_ns, cached tokens). Each re-announced what it hit, in its own engine step.
+    earlier: tuple[tuple[int, int], ...] = ()
 
 
 def otel_int(block_hash: Any) -> int:
@@ -151,11 +159,16 @@ def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | N
         attrs[ATTR_SKIP_READING] = record.skip_reading
     if record.extra_key_kinds:
         attrs[ATTR_EXTRA_KEY_KINDS] = list(record.extra_key_kinds)
+    if record.earlier:
+        attrs[ATTR_EARLIER_LOOKUP_TIMES] = [start for start, _ in record.earlier]
+        attrs[ATTR_EARLIER_LOOKUP_CACHED] = [cached for _, cached in record.earlier]
     if block_size > 0 and record.block_hashes is not None:
         wanted = record.cached_tokens // block_size + 1
         limit = (record.num_tokens - 1) // block_size * block_size
         if record.cached_tokens >= limit:
             wanted = record.cached_tokens // block_size if record.report_mode == "full" else 0
+        # the chains an earlier lookup re-announced are read from this one too
+        wanted = max([wanted, *(cached // block_size for _, cached in record.earlier)])
         if 0 < wanted <= MAX_CHAIN_BLOCKS:
             chain = record.block_hashes[:wanted]  # atomic slice of an append-only list
             if chain:
@@ -251,11 +264,17 @@ class Recorder:
     def note_lookup(self, request: Any, result: Any, start_ns: int, end_ns: int) -> None:
         if getattr(request, "num_preemptions", 0):
             return  # a re-lookup after preemption: the reported cached tokens are the first
+        pending = self.pending
+        prior = pending.get(request.request_id)  # looked up before and not admitted
+        earlier = ()
+        if prior is not None and prior.report_mode == "full":  # (its hit was re-announced)
+            earlier = prior.earlier
+            if prior.cached_tokens > 0:
+                earlier = (*earlier[1 - MAX_EARLIER_LOOKUPS:], (prior.start_ns, prior.cached_tokens))
         record = LookupRecord(
             request.request_id, start_ns, end_ns, request.num_tokens, int(result[1]),
             request.block_hashes, extra_key_kinds(request), request.trace_headers,
-            _report_mode(request), _skip_reading(request))
-        pending = self.pending
+            _report_mode(request), _skip_reading(request), earlier)
         pending[record.request_id] = record
         if len(pending) > self.max_pending:
             del pending[next(iter(pending))]
@@ -263,8 +282,13 @@ class Recorder:
 
     def note_admission(self, request: Any, allocated: Any) -> None:
         record = self.pending.pop(request.request_id, None)
-        if record is not None and allocated is not None:
+        if record is None:
+            return
+        if allocated is not None:
             self.queue.put(record)
+        elif record.report_mode == "full" and (record.cached_tokens > 0 or record.earlier):
+            # not admitted, but its hit was re-announced: the next lookup carries it
+            self.pending[request.request_id] = record
 
     # wiring ---------------------------------------------------------------------------------
 

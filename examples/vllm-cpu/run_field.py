@@ -78,6 +78,7 @@ class Request:
     lookup_time: float | None = None  # from llm_request: span start + time in queue (engine clock)
     lookup_time_latest: float | None = None  # span start + time to first token - prefill time
     skip_reading: bool | None = None  # skip_reading_prefix_cache, as kvmiss was told it
+    earlier_lookups: list = field(default_factory=list)  # the plugin's lookups before admission
     cached_api: int | None = None
     chain: list[int] = field(default_factory=list)
     truth: str | None = None
@@ -334,6 +335,7 @@ def read_request_records(requests: list[Request], path: Path) -> None:
             r.lookup_time_latest = record.get("lookup_time_latest")
         if r is not None:
             r.skip_reading = record.get("skip_reading_prefix_cache")
+            r.earlier_lookups = record.get("earlier_lookups") or []
 
 
 def write_run_capture(path: Path, recorder, requests: list[Request], summary: dict) -> None:
@@ -356,6 +358,7 @@ def write_run_capture(path: Path, recorder, requests: list[Request], summary: di
                 "worker": WORKER, "lookup_time": r.lookup_time, "lookup_time_latest": r.lookup_time_latest,
                 "block_hashes": r.chain,
                 "full_report": r.full_report, "skip_reading_prefix_cache": r.skip_reading,
+                "earlier_lookups": r.earlier_lookups,
                 "concurrent": r.concurrent, "sent_at": r.sent_at, "done_at": r.done_at,
                 "truth": r.truth, "excluded": r.excluded, "kvmiss_live": r.labels[0] if r.labels else None}}) + "\n")
 

@@ -312,3 +312,22 @@ def test_a_copy_stored_earlier_in_the_lookup_step_would_have_been_hit_so_none_pr
         assert v.label is expected, (window_group, v.reason)
         if expected is Label.UNKNOWN_HISTORY:
             assert "two copies" in v.reason or "re-announce" in v.reason
+
+
+def test_a_request_looked_up_twice_before_admission_confirms_both_re_announcements():
+    """Seen on the real engine (plugin mode, 8 in flight): a full-report request hit H in step 5,
+    did not fit, hit it again in step 6 and was admitted there. Both steps re-announced H; its
+    span's lookup is step 6's, its earlier lookup step 5's. Both are confirmed, so the one copy
+    removed at 9 leaves H evicted -- with only the admitted lookup, step 5's store stayed a
+    possible copy and the miss unknown."""
+    def run(earlier):
+        index, a = ResidencyIndex(), WorkerFeed("A")
+        feed(index, a, {3: [stored(H - 1, H)], 5: [stored(H - 1, H)], 6: [stored(H - 1, H)], 9: [removed(H)]})
+        judge(index, chain_request("A", a.ts(6) - 0.5, [H - 1, H, 0xBEEF], prompt_tokens=40, cached_tokens=32,
+                                   block_size=16, kv_cache_report_mode="full",
+                                   earlier_lookups=tuple((a.ts(s) - 0.5, 32) for s in earlier)))
+        return index, judge(index, request("A", a.ts(12) - 0.5))
+    index, v = run([5])
+    assert index.anomalies[("re_announced_confirmed", "A")] == 4 and v.label is Label.EVICTED
+    _, v = run([])
+    assert v.label is Label.UNKNOWN_HISTORY

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from kvmiss.enricher.otlp.spans import SpanReader, strip_raw_inputs, upsert_attributes, verdict_attributes
@@ -54,6 +55,27 @@ class TestReading:
     def test_vllms_kv_cache_report_mode_is_read(self):
         f = SpanReader().read(span(gen_ai__request__id="r1", kvmiss__kv_cache_report_mode="full"))
         assert f.kv_cache_report_mode == "full"
+
+    def test_the_plugins_earlier_lookups_are_read_and_become_engine_times_with_their_counts(self):
+        from kvmiss.enricher.otlp.assembly import Assembly, Fragment, to_request_facts
+
+        f = SpanReader().read(span(gen_ai__request__id="r1", gen_ai__usage__input_tokens=130, kvmiss__cached_tokens=64,
+                                   kvmiss__block_size=32, kvmiss__lookup_time_unix_nano=2_500_000_000,
+                                   kvmiss__earlier_lookup_times_unix_nano=[1_500_000_000, 2_000_000_000],
+                                   kvmiss__earlier_lookup_cached_tokens=[96, 64]))
+        assert f.earlier_lookup_times_unix_nano == [1_500_000_000, 2_000_000_000]
+        assert f.earlier_lookup_cached_tokens == [96, 64]
+        for times, cached, want, bad in (([1_500_000_000, 2_000_000_000], [96, 64], ((1.5, 96), (2.0, 64)), []),
+                                         ([1_500_000_000], [96, 64], (), ["kvmiss.earlier_lookup_times_unix_nano"])):
+            assembly = Assembly(b"t" * 16, "r1", 0.0)
+            facts = msgspec.structs.replace(f, earlier_lookup_times_unix_nano=times, earlier_lookup_cached_tokens=cached)
+            assembly.fragments.append(Fragment(facts, None, None, None, None, None))
+            errors: list[str] = []
+            got = to_request_facts(assembly, hasher=None, default_block_size=16, errors=errors)
+            assert got.earlier_lookups == want and errors == bad
+
+    def test_earlier_lookups_alone_make_no_request(self):
+        assert SpanReader().read(span(kvmiss__earlier_lookup_times_unix_nano=[1], kvmiss__earlier_lookup_cached_tokens=[32])) is None
 
     def test_the_genai_cache_write_count_is_read_under_its_new_and_its_old_name(self):
         for name in ("gen_ai__usage__cache_write__input_tokens", "gen_ai__usage__cache_creation__input_tokens"):

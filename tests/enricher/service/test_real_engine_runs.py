@@ -85,7 +85,8 @@ def kvmiss_verdicts(live: list[dict], requests: list[dict], tmp_path: Path) -> l
                              lookup_time_latest=r.get("lookup_time_latest"),
                              block_hashes=r["block_hashes"],
                              kv_cache_report_mode="full" if r.get("full_report") else None,
-                             skip_reading_prefix_cache=r.get("skip_reading_prefix_cache"))
+                             skip_reading_prefix_cache=r.get("skip_reading_prefix_cache"),
+                             earlier_lookups=tuple((t, c) for t, c in r.get("earlier_lookups") or ()))
         verdict = attributor.attribute(facts)
         verdicts.append((verdict.label.value, verdict.reason or ""))
     return verdicts

@@ -27,7 +27,8 @@ def facts(i: int = 0, **extra) -> RequestFacts:
         request_id=f"cmpl-{i}", prompt_tokens=65, cached_tokens=16, block_size=16, worker="w0", dp_rank=0,
         lookup_time=1000.0 + i, block_hashes=[2**64 - 1, 7, 9, 11], extra_key_kinds=("cache_salt", "lora"),
         transfers=(TransferAttempt(TransferResult.FAILED, "w1"),), instance_hint="vllm-0", route_policy="prefix",
-        predicted_cached_tokens=32, finish_time=1001.5 + i, output_tokens=40,
+        predicted_cached_tokens=32, finish_time=1001.5 + i, output_tokens=40, kv_cache_report_mode="full",
+        earlier_lookups=((999.5 + i, 32),),
         token_ids=[4242, 4343] * 32 + [99], extra_keys=_extra_keys())
     fields.update(extra)
     return RequestFacts(**fields)

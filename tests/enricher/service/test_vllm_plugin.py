@@ -716,3 +716,59 @@ def test_a_hit_in_full_report_mode_carries_the_chain_it_hit():
     assert "kvmiss.block_hashes" not in plugin.lookup_attributes(incremental, block_size=32, dp_rank=None)
     miss = hit._replace(cached_tokens=64)
     assert plugin.lookup_attributes(miss, block_size=32, dp_rank=None)["kvmiss.block_hashes"] == [1, 2, 3]
+
+
+def test_a_full_report_request_not_admitted_keeps_its_earlier_lookups_on_its_span():
+    """vLLM looks a waiting request up again each step until its blocks fit, and in full
+    report mode every lookup that hit re-announced its hit in that step. The lookup that was
+    admitted carries the earlier ones (times, cached tokens), and its chain covers the longest
+    of their hits: kvmiss tells each of those re-announcements from a copy."""
+    manager, queue = Manager(free=1), plugin.RecordQueue()
+    recorder = plugin.Recorder(queue, clock_ns=iter(range(1000, 10**9, 10)).__next__)
+    recorder.wrap(manager)
+    chain = hashes("p", 4)
+    manager.cached.update(chain[:3])
+    request = Request("r-1", 130, chain)
+    request.kv_cache_report_mode = "full"
+    assert manager.get_computed_blocks(request)[1] == 96
+    assert manager.allocate_slots(request, 34) is None  # no room: looked up again next step
+    manager.cached.discard(chain[2])  # evicted meanwhile: the next lookup hits less
+    manager.get_computed_blocks(request)
+    manager.free = 8
+    manager.allocate_slots(request, 66)
+    (rec,) = queue.drain()
+    assert rec.cached_tokens == 64 and rec.earlier == ((1000, 96),)
+    attrs = plugin.lookup_attributes(rec, block_size=32, dp_rank=None)
+    assert attrs["kvmiss.earlier_lookup_times_unix_nano"] == [1000]
+    assert attrs["kvmiss.earlier_lookup_cached_tokens"] == [96]
+    assert len(attrs["kvmiss.block_hashes"]) == 3  # the earlier hit's three blocks
+
+
+def test_an_incremental_request_not_admitted_carries_nothing():
+    manager, queue = Manager(free=1), plugin.RecordQueue()
+    recorder = plugin.Recorder(queue)
+    recorder.wrap(manager)
+    chain = hashes("q", 3)
+    manager.cached.update(chain[:2])
+    request = Request("r-1", 100, chain)
+    manager.get_computed_blocks(request)
+    manager.allocate_slots(request, 40)
+    assert not recorder.pending
+    manager.free = 8
+    manager.get_computed_blocks(request)
+    manager.allocate_slots(request, 40)
+    (rec,) = queue.drain()
+    assert rec.earlier == () and "kvmiss.earlier_lookup_times_unix_nano" not in plugin.lookup_attributes(
+        rec, block_size=32, dp_rank=None)
+
+
+def test_earlier_lookups_are_bounded_to_the_latest():
+    recorder = plugin.Recorder(plugin.RecordQueue())
+    request = Request("r-1", 100, hashes("b", 3))
+    request.kv_cache_report_mode = "full"
+    for i in range(plugin.MAX_EARLIER_LOOKUPS + 5):
+        recorder.note_lookup(request, (None, 32), i, i + 1)
+        recorder.note_admission(request, None)
+    record = recorder.pending["r-1"]
+    assert len(record.earlier) == plugin.MAX_EARLIER_LOOKUPS
+    assert record.earlier[-1] == (plugin.MAX_EARLIER_LOOKUPS + 3, 32)
