@@ -24,6 +24,7 @@ Measured here:
 Usage (from the repository root):
     nice -n 10 .venv/bin/python benchmarks/bench_fleet_churn.py                   # 600 s, 64 workers
     .venv/bin/python benchmarks/bench_fleet_churn.py --duration-s 60 --retention-s 10   # a quick look
+    ... --trace-stalls    # also: every loop callback of 8 ms or more, what it ran, beside the late wakes
 Prints one JSON object; exit status 1 if a bound was broken (lag > 20 ms, or memory grew
 after retention by more than --max-growth-mb).
 """
@@ -48,6 +49,34 @@ from benchlib import free_port, percentile, rss_mb
 
 LAG_TICK_S = 0.005
 LAG_BOUND_S = 0.020
+SLOW_CALLBACK_S = 0.008  # --trace-stalls: loop callbacks at least this long are recorded
+
+
+def trace_slow_callbacks(slow: list) -> None:
+    """--trace-stalls: time every callback the event loop runs and keep (wall time, seconds,
+    what it was: the task's coroutine and where it stopped) for those of `SLOW_CALLBACK_S` or
+    more -- what held the loop when a wake came late. (Wraps asyncio's `Handle._run`: a
+    diagnostic, adding ~1 us per callback.)"""
+    run = asyncio.events.Handle._run
+
+    def timed(handle) -> None:
+        t = time.perf_counter()
+        run(handle)
+        took = time.perf_counter() - t
+        if took >= SLOW_CALLBACK_S:
+            slow.append((time.time(), took, what_ran(handle)))
+
+    asyncio.events.Handle._run = timed
+
+
+def what_ran(handle) -> str:
+    task = getattr(handle._callback, "__self__", None)
+    if isinstance(task, asyncio.Task):
+        coro = task.get_coro()
+        frame = getattr(coro, "cr_frame", None)
+        where = f" (then at {Path(frame.f_code.co_filename).name}:{frame.f_lineno})" if frame else ""
+        return f"task {getattr(coro, '__qualname__', coro)}{where}"
+    return repr(handle)[:160]
 
 
 def churning(t: float, phase_s: float) -> bool:
@@ -257,6 +286,8 @@ def main() -> int:
     parser.add_argument("--max-growth-mb", type=float, default=20.0)
     parser.add_argument("--tracemalloc", action="store_true",
                         help="print what grew after 2 * retention, by line (slow)")
+    parser.add_argument("--trace-stalls", action="store_true",
+                        help="record the loop callbacks of 8 ms or more, and what they ran")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fleet-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -264,6 +295,9 @@ def main() -> int:
         return driver(args)
     if args.tracemalloc:
         tracemalloc.start()
+    slow: list[tuple[float, float, str]] = []
+    if args.trace_stalls:
+        trace_slow_callbacks(slow)
     with tempfile.TemporaryDirectory() as tmp:
         out = asyncio.run(follow(args, str(Path(tmp) / "fleet.toml"), free_port()))
     lags, rss, applies, t0 = out.pop("lags"), out.pop("rss"), out.pop("applies"), out.pop("t0")
@@ -285,6 +319,11 @@ def main() -> int:
                    "each_minute": [round(r, 1) for t, r in rss if int(t) % 60 < 10],
                    "slope_after_2x_retention_mb_per_min": round(slope_mb_per_min(settled), 3)},
     }
+    if args.trace_stalls:  # each late wake beside the slow callbacks around it
+        report["slow_callbacks"] = [
+            {"at_s": round(at - t0, 3), "ms": round(1000 * took, 1), "ran": ran} for at, took, ran in slow if at >= t0]
+        report["late_wakes"] = [{"at_s": round(at - t0, 3), "ms": round(1000 * lag, 1)}
+                                for at, lag in lags if at >= t0 and lag > LAG_BOUND_S]
     print(json.dumps(report, indent=1))
     churn_lags = by_phase["churning"]
     ok = bool(churn_lags) and max(churn_lags) <= LAG_BOUND_S and not growth > args.max_growth_mb
