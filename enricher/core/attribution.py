@@ -61,7 +61,7 @@ class Attributor:
         return fleet
 
     def attribute(self, facts: RequestFacts) -> Verdict:
-        self._confirm_re_announcement(facts)
+        self.note_re_announcements(facts)
         verdict = self._attribute_at(facts)
         t, latest = facts.lookup_time, facts.lookup_time_latest
         if (latest is None or t is None or latest <= t or verdict.label in _SETTLED_AT_ANY_TIME
@@ -120,14 +120,17 @@ class Attributor:
                 verdict = msgspec.structs.replace(verdict, divergence=divergence)
         return verdict
 
-    def _confirm_re_announcement(self, facts: RequestFacts) -> None:
+    def note_re_announcements(self, facts: RequestFacts, *, admitted: bool = True) -> None:
         """A request in full report mode (its spans say `kv_cache_report_mode` "full") that hit
         blocks tells its own step's store with no parent of exactly them apart from a
         recomputed duplicate: it was its re-announcement (ATTRIBUTION.md rule 7;
         `ResidencyIndex.confirm_re_announcement`: the first such store at or after its lookup
-        step, or at all when its lookup time is not known), and one for each earlier lookup of it
+        step, within its lookup window; none when its lookup time is not known -- a store of
+        the same chain may be a real copy: the pipeline waits for a span that says when), and
+        one for each earlier lookup of it
         that hit (vLLM looks a waiting request up each step until it is admitted; the plugin
-        says when: `RequestFacts.earlier_lookups`). A request not known to be in that mode
+        says when: `RequestFacts.earlier_lookups`; ``admitted`` False: those only, from a span
+        that came after the request was judged). A request not known to be in that mode
         confirms nothing: beside it, a request that skips the cache can store a real second
         copy of the very chain it hit. Only the index's marks change."""
         b, chain, t, worker = facts.block_size, facts.block_hashes, facts.lookup_time, facts.worker
@@ -138,14 +141,15 @@ class Attributor:
         view = self.index.current.get(worker)
         if (view is None or not view.unproven) and not self.index.previous.get(worker):
             return
-        if facts.cached_tokens >= b:
-            self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]),
-                                               facts.lookup_time_latest)
         # Looked up before, not admitted then (its blocks did not fit): each of those lookups
-        # that hit re-announced too, in its own step (the plugin's exact times).
+        # that hit re-announced too, in its own step (the plugin's exact times) -- first, so
+        # that a lookup known only within a window does not take one of theirs.
         for at, cached in facts.earlier_lookups:
             if cached >= b and cached // b <= len(chain):
                 self.index.confirm_re_announcement(worker, at, list(chain[:cached // b]), at)
+        if admitted and facts.cached_tokens >= b and t is not None:  # (without a time: which store?)
+            self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]),
+                                               facts.lookup_time_latest)
 
     def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:
         """Which sibling under the request's parent block it left, and how (None when the

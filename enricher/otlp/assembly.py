@@ -318,10 +318,12 @@ def incomplete_verdict(missing: MissingFacts) -> Verdict:
 
 
 def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_block_size: int,
-                     errors: list[str]) -> RequestFacts | MissingFacts:
+                     errors: list[str], lookup_wanted: bool = False) -> RequestFacts | MissingFacts:
     """The `RequestFacts` of an assembly, or what is still missing. Problems that make a
     fact unusable (bad extra-key JSON, unhashable tokens) are appended to ``errors`` by
-    name only: they may concern prompt material."""
+    name only: they may concern prompt material. ``lookup_wanted``: a hit in full report
+    mode waits for a lookup time too (its label needs none, but only the time tells which
+    store was its re-announcement); once the wait is over it is judged without."""
     m = assembly.merged_fields()
     prompt_tokens, cached_tokens = m.get("prompt_tokens"), m.get("cached_tokens")
     if prompt_tokens is None or cached_tokens is None:
@@ -342,7 +344,8 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
     if lookup_time is None:
         lookup_time = m.get("queue_lookup_time")
         lookup_time_latest = m.get("queue_lookup_latest") if lookup_time is not None else None
-        if lookup_time is None and needs_index(prompt_tokens, cached_tokens, block_size, transfers):
+        if lookup_time is None and (needs_index(prompt_tokens, cached_tokens, block_size, transfers) or (
+                lookup_wanted and m.get("kv_cache_report_mode") == "full" and cached_tokens >= block_size > 0)):
             # A miss is judged against the index at its lookup time, and only a span can say
             # when that was (a router's own, or vLLM's `llm_request`, which may come seconds
             # later): wait for it, never judge from a guessed time. A label the request's own

@@ -376,11 +376,11 @@ class Pipeline:
             self._late_spans(assembly, judged)
             return 0
         errors: list[str] = []
-        facts = to_request_facts(assembly, hasher=self.hasher,
-                                 default_block_size=self.default_block_size, errors=errors)
+        expired = final or now - assembly.first_seen >= self.assemble_wait_s
+        facts = to_request_facts(assembly, hasher=self.hasher, default_block_size=self.default_block_size,
+                                 errors=errors, lookup_wanted=not expired)
         for name in errors:
             self.stats.bad_attributes[name] += 1
-        expired = final or now - assembly.first_seen >= self.assemble_wait_s
         if isinstance(facts, MissingFacts):
             if not expired:
                 return None
@@ -552,7 +552,14 @@ class Pipeline:
 
     def _late_spans(self, assembly: Assembly, judged: Judged) -> None:
         """Spans of a request judged before they came: a copy of the verdict's own span (a
-        re-send) gets the same verdict again; any other passes through without one."""
+        re-send) gets the same verdict again; any other passes through without one. What they
+        say of the engine's earlier lookups still counts: the vLLM plugin's span of a request in
+        full report mode, after the request was judged from its other spans, names the lookups
+        before its admission, each of which re-announced its hit in its own step
+        (`Attributor.note_re_announcements`; the admitted lookup's was weighed when judged)."""
+        late = to_request_facts(assembly, hasher=None, default_block_size=self.default_block_size, errors=[])
+        if isinstance(late, RequestFacts) and late.kv_cache_report_mode == "full" and late.earlier_lookups:
+            self.attributor.note_re_announcements(late, admitted=False)
         for fragment in assembly.fragments:
             if self._span(fragment).span_id == judged.span_id:
                 self._write(fragment, dict(judged.verdict))

@@ -80,9 +80,15 @@ def kvmiss_verdicts(live: list[dict], requests: list[dict], tmp_path: Path) -> l
     for r in requests:
         # (the request's report mode reaches kvmiss as the vLLM plugin's lookup span or the
         # router that set vllm_xargs says it: `kvmiss.kv_cache_report_mode`)
+        t, latest = r["lookup_time"], r.get("lookup_time_latest")
+        if t is None and r.get("full_report") and r["cached_tokens"] >= r["block_size"]:
+            # A full-report hit judged before vLLM's llm_request said when it looked up (the
+            # captures before 2026-12-06; kvmiss now waits for it): the client's own send and
+            # answer times bound the lookup, a wider window than llm_request's.
+            t, latest = r["sent_at"], r["done_at"]
         facts = RequestFacts(prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"],
-                             block_size=r["block_size"], worker=r["worker"], lookup_time=r["lookup_time"],
-                             lookup_time_latest=r.get("lookup_time_latest"),
+                             block_size=r["block_size"], worker=r["worker"], lookup_time=t,
+                             lookup_time_latest=latest,
                              block_hashes=r["block_hashes"],
                              kv_cache_report_mode="full" if r.get("full_report") else None,
                              skip_reading_prefix_cache=r.get("skip_reading_prefix_cache"),

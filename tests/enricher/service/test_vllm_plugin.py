@@ -508,14 +508,14 @@ from test_pipeline import Clock, Sink, attrs  # noqa: E402 (the pipeline tests' 
 CHAIN = [PARENT, H, PARENT + 2]  # 16-token blocks, as in fleet_builders
 
 
-def lookup_request(*, rid="cmpl-r1-1a2b3c4d", trace=TRACE, cached=16, worker="A", t=1020.5):
+def lookup_request(*, rid="cmpl-r1-1a2b3c4d", trace=TRACE, cached=16, worker="A", t=1020.5, **record):
     """The plugin's span, produced by the real SDK and encoded as OTLP."""
     processor, resource, exporter = sdk_processor(worker)
     queue = plugin.RecordQueue()
     emitter = emitter_for(queue, plugin.Recorder(queue), processor, resource, dp_rank=0, block_size=16)
     queue.put(plugin.LookupRecord(rid, int(t * 1e9), int(t * 1e9) + 1000, 40, cached,
                                   [h.to_bytes(8, "big") for h in CHAIN], (),
-                                  {"traceparent": f"00-{trace}-b7ad6b7169203331-01"}))
+                                  {"traceparent": f"00-{trace}-b7ad6b7169203331-01"}, **record))
     emitter.force_flush()
     return encode_spans(exporter.get_finished_spans())
 
@@ -772,3 +772,52 @@ def test_earlier_lookups_are_bounded_to_the_latest():
     record = recorder.pending["r-1"]
     assert len(record.earlier) == plugin.MAX_EARLIER_LOOKUPS
     assert record.earlier[-1] == (plugin.MAX_EARLIER_LOOKUPS + 3, 32)
+
+
+# --- a hit in full report mode: its re-announcements, told apart by when it looked up ------------
+
+
+def re_announcing_index() -> ResidencyIndex:
+    """[PARENT, H] stored at 5, then stored with no parent at 20 and 21: a request's two
+    lookups in full report mode (not admitted at 20), or copies, for all the wire says."""
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 30), {5: [stored(PARENT, H)], 20: [stored(PARENT, H)], 21: [stored(PARENT, H)]}):
+        index.apply(b)
+    return index
+
+
+def full_report_hit_router() -> ExportTraceServiceRequest:
+    return llm_request(name="router", **{"gen_ai.usage.cache_read.input_tokens": 32, "kvmiss.route.worker": "A",
+                                         "kvmiss.kv_cache_report_mode": "full"})
+
+
+class TestFullReportHits:
+    def test_a_full_report_hit_waits_for_its_lookup_and_its_lookups_confirm_both_re_announcements(self):
+        clock, sink = Clock(), Sink()
+        index = re_announcing_index()
+        pipe = Pipeline(Attributor(index), sink, clock=clock)
+        asyncio.run(pipe.consume(full_report_hit_router()))
+        assert pipe.poll() == 0  # a hit needs no index, but which store was its re-announcement?
+        asyncio.run(pipe.consume(lookup_request(cached=32, t=1020.5, report_mode="full",
+                                                earlier=((int(1019.5e9), 32),))))
+        pipe.poll()
+        pipe.poll()
+        assert labels(sink) == {"router": "hit", "kvmiss.prefix_lookup": None}
+        assert index.anomalies[("re_announced_confirmed", "A")] == 4
+        assert not index.views("A")[0].unproven_stores
+
+    def test_without_a_lookup_time_it_is_judged_after_the_wait_and_confirms_nothing(self):
+        clock, sink = Clock(), Sink()
+        index = re_announcing_index()
+        pipe = Pipeline(Attributor(index), sink, clock=clock, assemble_wait_s=3.0)
+        asyncio.run(pipe.consume(full_report_hit_router()))
+        assert pipe.poll() == 0
+        clock.t = 3.0
+        assert pipe.poll() == 1 and labels(sink) == {"router": "hit"}
+        assert index.anomalies[("re_announced_confirmed", "A")] == 0  # no guess at which store
+        # the plugin's span, late: its earlier lookup is still told apart (exact, its own step)
+        asyncio.run(pipe.consume(lookup_request(cached=32, t=1020.5, report_mode="full",
+                                                earlier=((int(1019.5e9), 32),))))
+        pipe.poll()
+        assert index.anomalies[("re_announced_confirmed", "A")] == 2
+        assert list(index.views("A")[0].unproven_stores) == [21]
