@@ -130,7 +130,7 @@ def setup(venv: Path, model: Path, scratch: Path, vllm: str = VLLM_VERSION, arch
                    check=True, stdout=subprocess.DEVNULL)
     # The tests that run against vLLM's own classes run in this venv (test_hit_rule_vllm.py,
     # test_vllm_plugin.py): kvmiss's own requirements that vLLM lacks, and the test tools.
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "pytest", "hypothesis", "dnspython>=2.6"],
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "pytest", "hypothesis", "dnspython>=2.6", "xxhash>=3.4"],
                    check=True, stdout=subprocess.DEVNULL)
     if not (model / "config.json").exists():
         say(f"making the tiny model in {model}")
