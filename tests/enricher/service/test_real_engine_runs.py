@@ -17,6 +17,8 @@ the 1 % budget, never as right).
   ``kv_cache_report_mode: "full"`` on half the requests, the last half 8 in flight (with its
   lookup windows: judged at the earliest time alone, one ``evicted`` comes out
   ``resident_miss``).
+* ``vllm-0.32.0-gemma3-plugin-run``: the same hybrid with full report mode on 30 %, 8 in flight,
+  lookups from the kvmiss plugin (2026-12-06): one request looked up twice before admission.
 * ``vllm-0.32.0-qwen3-next-run``: a Qwen3-Next-style hybrid (a gated-delta-net layer, KV-cache
   kind ``mamba``, beside full attention; 96-token blocks), sequential: where the state group
   cut a hit, kvmiss must say ``unknown_history`` naming the kind.
@@ -228,3 +230,18 @@ def test_the_mamba_groups_stores_without_a_hash_are_counted_logged_once_and_skip
         feed._log_new_anomalies()
     lines = [r.getMessage() for r in caplog.records if "no block hash" in r.getMessage()]
     assert len(lines) == 1 and WORKER in lines[0]
+
+
+def test_a_full_report_request_looked_up_before_admission_re_announced_each_time(tmp_path):
+    """The Gemma-3-style hybrid with the kvmiss plugin (2026-12-06, dbeab3c): a full-report
+    request did not fit in the step of its first lookup and was admitted in the next; both
+    lookups re-announced its chain. The plugin's span names the earlier one: with it every miss
+    is judged; without it (as before 94dd785) the store of the first stays a possible copy and a
+    later miss over its block is unknown."""
+    path = DATA / "vllm-0.32.0-gemma3-plugin-run.jsonl.gz"
+    _, _, requests = load(path)
+    assert sum(1 for r in requests if r.get("earlier_lookups")) == 1
+    misses, wrong, unknown = judged_against_truth(path, tmp_path / "with")
+    assert wrong == [] and unknown == []
+    misses, wrong, unknown = judged_against_truth(path, tmp_path / "without", strip=("earlier_lookups",))
+    assert wrong == [] and len(unknown) == 1
