@@ -8,7 +8,8 @@ Layout (two processes, all real parts):
     stores and evictions. Every ``--change-every-s`` it stops the oldest engine and starts a
     new one under a new id on new ports (a rolling replacement that never ends), and rewrites
     the ``[fleet] file`` by rename, as a ConfigMap or a deploy tool does.
-  * kvmiss: the service in this process (`Service`, as ``kvmiss serve`` runs it), following
+  * kvmiss: the service in this process (`Service`, as ``kvmiss serve`` runs it, with serve's
+    process settings: GC thresholds, GIL switch interval, start-up objects frozen), following
     the file, with ``[history] retention_s = --retention-s``. Its metrics endpoint is
     scraped every 5 s from a thread, as Prometheus would.
 
@@ -166,6 +167,7 @@ def driver(args: argparse.Namespace) -> int:
 
 
 async def follow(args: argparse.Namespace, fleet_file: str, metrics_port: int) -> dict:
+    from kvmiss.enricher.cli.serve_cmd import freeze_startup_objects
     from kvmiss.enricher.service.serve import Service
     from kvmiss.schemas.config import parse_config
 
@@ -192,6 +194,7 @@ poll_interval_s = 0.25
     ready = json.loads(await loop.run_in_executor(None, proc.stdout.readline))
     service = Service(config)  # (after the driver wrote the first fleet file)
     await service.start()
+    freeze_startup_objects()  # as `kvmiss serve` does
     # (wall time woken, lag) per wake, in arrays sized for the whole run before it starts: a
     # list of tuples grew by ~1.3 MB a minute, which the RSS samples then counted as kvmiss's.
     capacity = int(args.duration_s / LAG_TICK_S) + 1000
@@ -298,6 +301,9 @@ def main() -> int:
     slow: list[tuple[float, float, str]] = []
     if args.trace_stalls:
         trace_slow_callbacks(slow)
+    from kvmiss.enricher.cli.serve_cmd import apply_process_policies
+
+    apply_process_policies()  # GC thresholds, GIL switch interval: the process `kvmiss serve` is
     with tempfile.TemporaryDirectory() as tmp:
         out = asyncio.run(follow(args, str(Path(tmp) / "fleet.toml"), free_port()))
     lags, rss, applies, t0 = out.pop("lags"), out.pop("rss"), out.pop("applies"), out.pop("t0")

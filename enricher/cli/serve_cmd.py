@@ -240,15 +240,29 @@ async def _serve(config) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
-    # Everything alive now (modules, the config, the service's own structures) lives as long
-    # as the process: frozen, the collector's full walks skip it (gc.freeze, CPython >= 3.7).
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
     logging.getLogger("kvmiss.serve").info(
         "kvmiss serve: OTLP grpc :%s http :%s, metrics :%s",
         service.receivers.grpc_port, service.receivers.http_port, service.metrics_port)
     await stop.wait()
     await service.shutdown()
+
+
+def apply_process_policies() -> None:
+    """The serve process's own settings (process-wide, so serve's, not the library's): the
+    cyclic collector's thresholds, the GIL switch interval, the open-files limit. A benchmark
+    that runs `Service` in its own process applies them too, to measure what serve runs."""
+    gc.set_threshold(*GC_THRESHOLDS)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    _raise_open_files_limit()
+
+
+def freeze_startup_objects() -> None:
+    """Once the service has started: everything alive now (modules, the config, the service's
+    own structures) lives as long as the process; frozen, the collector's full walks skip it
+    (gc.freeze, CPython >= 3.7)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _raise_open_files_limit() -> None:
@@ -282,9 +296,7 @@ def run(args: argparse.Namespace) -> int:
     if args.processes > 1 and args.process_index is None:
         return _run_group(args)
     config = process_config(config, args.process_index or 0)
-    gc.set_threshold(*GC_THRESHOLDS)  # a process-wide policy: serve's own, not the library's
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    _raise_open_files_limit()
+    apply_process_policies()
     try:
         asyncio.run(_serve(config))
     except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad endpoint
