@@ -185,6 +185,11 @@ class _Generation:
         return any(block_hash in stage for stage in reversed(self.stages))
 
 
+# The most batches a view keeps in order for their same-step copies (`EpochView.copy_steps`):
+# ~1-2 KB each, so a few MB per hybrid worker at most however long its retention.
+MAX_COPY_STEPS = 2048
+
+
 class PrunedFilter:
     """Blocks whose records retention dropped, remembered for ``horizon_s`` of engine time
     after they were dropped: no false negatives inside that horizon, and memory bounded by
@@ -337,9 +342,10 @@ class EpochView:
         # re-announcement by a request that hit the block -- stored earlier in the step, which
         # proves nothing against the rule -- or a duplicate. Gone when its request confirms it.
         self.same_step_unproven: dict[object, int] = {}
-        # The events of those batches (seq -> events, in the engine's order), pruned with them:
-        # on a hybrid, what was stored in the step before a copy tells whether the engine would
-        # have hit the block had that copy preceded the lookup (`stored_in_step_through`).
+        # The events of those batches on a hybrid (seq -> events, in the engine's order), pruned
+        # with them and bounded: what was stored in the step before a copy tells whether the
+        # engine would have hit the block had that copy preceded the lookup
+        # (`stored_in_step_through`).
         self.copy_steps: dict[int, Sequence] = {}
         self._same_step_in_python = 0  # same-step copies recorded by `_apply_event`
         self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
@@ -391,8 +397,8 @@ class EpochView:
             for at, event in enumerate(events):
                 self._apply_event(event, seq, ts, events, at)
             self.log_removed.append(self._removed_in_python)
-            if self._same_step_in_python != copied:
-                self.copy_steps[seq] = events
+            if self._same_step_in_python != copied and self.hybrid:
+                self._keep_copy_step(seq, events)
             return
         copied = applier.same_step_stores + self._same_step_in_python
         # The compiled loop stops at what it leaves to Python (a clear, a first event of a
@@ -406,8 +412,16 @@ class EpochView:
             applier.orphans = 1 if self.unproven else 0
             i = applier(events, seq, ts, i + 1)
         self.log_removed.append(applier.gpu_removed + self._removed_in_python)
-        if applier.same_step_stores + self._same_step_in_python != copied:
-            self.copy_steps[seq] = events
+        if applier.same_step_stores + self._same_step_in_python != copied and self.hybrid:
+            self._keep_copy_step(seq, events)
+
+    def _keep_copy_step(self, seq: int, events: Sequence) -> None:
+        """`copy_steps`, at most `MAX_COPY_STEPS` (the oldest go first: a step whose order is
+        gone keeps its doubt)."""
+        steps = self.copy_steps
+        steps[seq] = events
+        if len(steps) > MAX_COPY_STEPS:
+            del steps[next(iter(steps))]
 
     def _apply_event(self, event, seq: int, ts: float, batch=(), at: int = -1) -> None:
         cls = event.__class__

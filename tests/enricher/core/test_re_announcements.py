@@ -331,3 +331,18 @@ def test_a_request_looked_up_twice_before_admission_confirms_both_re_announcemen
     assert index.anomalies[("re_announced_confirmed", "A")] == 4 and v.label is Label.EVICTED
     _, v = run([])
     assert v.label is Label.UNKNOWN_HISTORY
+
+
+def test_the_steps_kept_in_order_are_a_hybrids_only_and_bounded(monkeypatch):
+    """A single-group engine keeps none (its rule needs no step order); a hybrid at most
+    `MAX_COPY_STEPS`, the oldest dropped first (such a step keeps its doubt)."""
+    from kvmiss.enricher.core import index as index_module
+
+    monkeypatch.setattr(index_module, "MAX_COPY_STEPS", 3)
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {s: [stored(H + s), stored(H + s)] for s in range(2, 8)})
+    assert index.views("A")[0].copy_steps == {}
+    index, a = ResidencyIndex(), WorkerFeed("A")
+    feed(index, a, {1: [window_stored(0xAAAA), full_stored(0xBBBB)],
+                    **{s: [full_stored(H + s), full_stored(H + s)] for s in range(2, 8)}})
+    assert list(index.views("A")[0].copy_steps) == [5, 6, 7]
