@@ -557,9 +557,10 @@ class Pipeline:
         full report mode, after the request was judged from its other spans, names the lookups
         before its admission, each of which re-announced its hit in its own step
         (`Attributor.note_re_announcements`; the admitted lookup's was weighed when judged)."""
-        late = to_request_facts(assembly, hasher=None, default_block_size=self.default_block_size, errors=[])
-        if isinstance(late, RequestFacts) and late.kv_cache_report_mode == "full" and late.earlier_lookups:
-            self.attributor.note_re_announcements(late, admitted=False)
+        if any(f.facts.earlier_lookup_times_unix_nano for f in assembly.fragments):  # (rare: read only then)
+            late = to_request_facts(assembly, hasher=None, default_block_size=self.default_block_size, errors=[])
+            if isinstance(late, RequestFacts) and late.kv_cache_report_mode == "full":
+                self.attributor.note_re_announcements(late, admitted=False)
         for fragment in assembly.fragments:
             if self._span(fragment).span_id == judged.span_id:
                 self._write(fragment, dict(judged.verdict))
