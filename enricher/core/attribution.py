@@ -127,10 +127,10 @@ class Attributor:
         `ResidencyIndex.confirm_re_announcement`: the first such store at or after its lookup
         step, within its lookup window; none when its lookup time is not known -- a store of
         the same chain may be a real copy: the pipeline waits for a span that says when), and
-        one for each earlier lookup of it
-        that hit (vLLM looks a waiting request up each step until it is admitted; the plugin
-        says when: `RequestFacts.earlier_lookups`; ``admitted`` False: those only, from a span
-        that came after the request was judged). A request not known to be in that mode
+        one for each earlier lookup of it that hit (vLLM looks a waiting request up each step
+        until it is admitted; the plugin says when: `RequestFacts.earlier_lookups`; ``admitted``
+        False: those only, from a span that came after the request was judged). A request not
+        known to be in that mode
         confirms nothing: beside it, a request that skips the cache can store a real second
         copy of the very chain it hit. Only the index's marks change."""
         b, chain, t, worker = facts.block_size, facts.block_hashes, facts.lookup_time, facts.worker

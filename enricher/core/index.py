@@ -392,28 +392,30 @@ class EpochView:
         self.log_seq.append(seq)
         self.log_ts.append(ts)
         events, applier = batch.events, self._applier
+        copied = self._same_step_count() if self.hybrid else 0  # (kept only on a hybrid: no call otherwise)
         if applier is None:
-            copied = self._same_step_in_python
             for at, event in enumerate(events):
                 self._apply_event(event, seq, ts, events, at)
             self.log_removed.append(self._removed_in_python)
-            if self._same_step_in_python != copied and self.hybrid:
-                self._keep_copy_step(seq, events)
-            return
-        copied = applier.same_step_stores + self._same_step_in_python
-        # The compiled loop stops at what it leaves to Python (a clear, a first event of a
-        # new medium or group, a store or removal `_apply_event` weighs); handle that one
-        # here and resume after it.
-        # (While stores are left uncounted, it leaves their removals to Python too.)
-        applier.orphans = 1 if self.unproven else 0
-        i, n = applier(events, seq, ts), len(events)
-        while i < n:
-            self._apply_event(events[i], seq, ts, events, i)
+        else:
+            # The compiled loop stops at what it leaves to Python (a clear, a first event of a
+            # new medium or group, a store or removal `_apply_event` weighs); handle that one
+            # here and resume after it.
+            # (While stores are left uncounted, it leaves their removals to Python too.)
             applier.orphans = 1 if self.unproven else 0
-            i = applier(events, seq, ts, i + 1)
-        self.log_removed.append(applier.gpu_removed + self._removed_in_python)
-        if applier.same_step_stores + self._same_step_in_python != copied and self.hybrid:
+            i, n = applier(events, seq, ts), len(events)
+            while i < n:
+                self._apply_event(events[i], seq, ts, events, i)
+                applier.orphans = 1 if self.unproven else 0
+                i = applier(events, seq, ts, i + 1)
+            self.log_removed.append(applier.gpu_removed + self._removed_in_python)
+        if self.hybrid and self._same_step_count() != copied:
             self._keep_copy_step(seq, events)
+
+    def _same_step_count(self) -> int:
+        """Same-step copies recorded so far, by the compiled applier and by `_apply_event`."""
+        applier = self._applier
+        return self._same_step_in_python + (applier.same_step_stores if applier is not None else 0)
 
     def _keep_copy_step(self, seq: int, events: Sequence) -> None:
         """`copy_steps`, at most `MAX_COPY_STEPS` (the oldest go first: a step whose order is
@@ -689,7 +691,6 @@ class EpochView:
         (`same_step_copies`, or a second store not yet told apart: `same_step_unproven`)."""
         return self.same_step_copies.get(key) == step_seq or self.same_step_unproven.get(key) == step_seq
 
-
     def stored_in_step_through(self, step_seq: int, key: int) -> dict[int, set[int]] | None:
         """What batch ``step_seq`` stored on the GPU, per group, up to and including its first
         store of ``key`` in the primary group: held at any lookup after that store in the step
@@ -707,6 +708,7 @@ class EpochView:
             if group == self.primary_group and key in event.block_hashes:
                 return stored
         return None
+
     def _table(self, event: BlockStored | BlockRemoved) -> tuple[bool, BlockTable] | None:
         """The (primary GPU table?, table) of the event's (medium, group), made on its first
         event; None past `MAX_TIERS` (refused). The group's spec is learned here from its
@@ -979,7 +981,8 @@ class EpochView:
         `enricher/core/hit_rule.py`: a window group may accept a longer hit while refusing a
         shorter one). ``assume_held``: a block of ``chain`` taken as held in the primary group
         besides (a hypothesis to refute: the engine's hit only grows with what is held);
-        ``also_held``: hashes per group taken as held besides (`stored_in_step_through`). False
+        ``also_held``: hashes per group of a hybrid taken as held besides (what its step stored
+        before a copy, `stored_in_step_through`; one group needs no more than ``assume_held``). False
         whenever that is not proven: a group of a kind or block size the rule does not model."""
         limit = min(limit, len(chain))
         if blocks <= 0 or limit < blocks:
@@ -988,8 +991,7 @@ class EpochView:
             held = self.held(self.primary_group, chain[:blocks], step_seq)
             if assume_held is not None and 0 <= assume_held < blocks:
                 held[assume_held] = True
-            extra = (also_held or {}).get(self.primary_group, ())
-            return all(was or h in extra for was, h in zip(held, chain))
+            return all(held)
         groups = [self.groups.get(t.group) for t in self.tiers if t.medium == GPU]
         if any(g is None or g.block_size != block_size or (not g.full_attention and g.window_blocks is None)
                for g in groups):
