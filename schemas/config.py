@@ -317,6 +317,15 @@ def parse_fleet_file(text: str, *, source: str = "<fleet file>") -> list[WorkerS
 
 
 def load_config(path: str | os.PathLike) -> Config:
+    """The config in file ``path``; ``"-"``: read from stdin (`kvmiss config example | kvmiss serve --config -`)."""
+    if str(path) == "-":
+        import sys
+
+        try:
+            text = sys.stdin.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"<stdin>: cannot read: {exc}") from None
+        return parse_config(text, source="<stdin>")
     path = Path(path)
     try:
         text = path.read_text()

@@ -20,8 +20,32 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "whatif": ("whatif_cmd", "what-if cache sizing: the hit ratio a larger pool would have given (an estimate)"),
     "requests": ("requests_cmd", "request records (for attribute and whatif) from spans in OTLP/JSON files"),
     "report": ("report_cmd", "render the HTML report from attribution records or enriched OTLP-JSON spans"),
+    "config": ("config_cmd", "example configurations shipped with kvmiss (kvmiss config example [NAME])"),
     "fleet-sync": ("fleet_sync_cmd", "keep a [fleet] file equal to a Kubernetes Service's ready endpoints (a sidecar)"),
 }
+
+
+def version_text() -> str:
+    """``kvmiss 0.2.0`` and which compiled parts this install has (each is optional at build)."""
+    from kvmiss.collectors.frames import READER_COMPILED
+    from kvmiss.enricher import __version__
+    from kvmiss.enricher.core.residency_table import ACCELERATED
+    from kvmiss.enricher.otlp.spans import WIRE_SCAN
+
+    parts = {"residency table": ACCELERATED, "OTLP wire path": WIRE_SCAN, "KV-event reader": READER_COMPILED}
+    compiled = ", ".join(f"{name} {'compiled' if on else 'pure Python'}" for name, on in parts.items())
+    return f"kvmiss {__version__} (Python {sys.version.split()[0]}; {compiled})"
+
+
+class _VersionAction(argparse.Action):
+    # argparse's own "version" action takes a fixed string; this one imports the compiled
+    # parts only when asked, so `kvmiss --help` stays fast.
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvmiss",
         description="Explain why each LLM request missed the prefix cache.",
     )
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the version and which compiled parts are present, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         mod = importlib.import_module(f"{__name__}.{module}")

@@ -38,13 +38,16 @@ class JsonLogFormatter(logging.Formatter):
 
 # Shown under `kvmiss serve --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
-input:    --config FILE: kvmiss.toml (every key: examples/kvmiss.toml); spans over OTLP, KV events
-          over ZeroMQ; the digest secret from the variable [privacy] digest_key_env names
-example:  KVMISS_DIGEST_KEY=$(openssl rand -hex 16) kvmiss serve --config examples/kvmiss.toml --check
+input:    --config FILE ('-': stdin): kvmiss.toml, from `kvmiss config example` (--list: every layout;
+          `kvmiss config example full`: every key); spans over OTLP, KV events over ZeroMQ; the digest
+          secret from the variable [privacy] digest_key_env names (KVMISS_DIGEST_KEY in the examples)
+example:  kvmiss config example single > kvmiss.toml
+          KVMISS_DIGEST_KEY=$(openssl rand -hex 16) kvmiss serve --config kvmiss.toml --check
 """
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="kvmiss.toml")
+    parser.add_argument("--config", required=True,
+                        help="kvmiss.toml ('-': read it from stdin); start from `kvmiss config example`")
     parser.add_argument("--otlp-grpc", help="OTLP/gRPC listen address (overrides [otlp] grpc)")
     parser.add_argument("--otlp-http", help="OTLP/HTTP listen address (overrides [otlp] http)")
     parser.add_argument("--export", help="downstream OTLP endpoint (overrides [export] endpoint)")
@@ -283,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
     handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    if args.config == "-" and args.processes > 1 and not args.check:
+        # Each process of a group reads the config itself; stdin can be read only once.
+        print("kvmiss serve: --processes needs --config FILE, not '-'", file=sys.stderr)
+        return 2
     try:
         config = _with_overrides(load_config(args.config), args)
     except ConfigError as exc:

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -213,6 +214,12 @@ def render_config(ports: dict[str, int], enriched: Path) -> str:
         assert old in text, old
         text = text.replace(old, new)
     return text
+
+
+def kvmiss_env() -> dict[str, str]:
+    """The environment `kvmiss serve` runs in: kvmiss.toml names its digest secret by variable
+    (digest_key_env), so a run without one gets a fresh key of its own."""
+    return {**os.environ, "KVMISS_DIGEST_KEY": os.environ.get("KVMISS_DIGEST_KEY") or secrets.token_hex(16)}
 
 
 def vllm_command(python: Path, model: Path, ports: dict[str, int], memory_utilization: float,
@@ -429,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say(f"kvmiss serve --config {config}")
         kvmiss = subprocess.Popen([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
-                                  stdout=open(run_dir / "kvmiss.log", "w"), stderr=subprocess.STDOUT)
+                                  stdout=open(run_dir / "kvmiss.log", "w"), stderr=subprocess.STDOUT, env=kvmiss_env())
         wait_http(f"http://127.0.0.1:{ports['metrics']}/healthz", 30, kvmiss, "kvmiss serve")
         witness = Witness(f"tcp://127.0.0.1:{ports['events']}")
 

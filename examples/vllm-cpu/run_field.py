@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base.say(f"kvmiss serve --config {config}")
         kvmiss = subprocess.Popen([str(args.kvmiss_python), "-m", "kvmiss.enricher.cli", "serve", "--config", str(config)],
-                                  stdout=open(run_dir / "kvmiss.log", "w"), stderr=subprocess.STDOUT)
+                                  stdout=open(run_dir / "kvmiss.log", "w"), stderr=subprocess.STDOUT, env=base.kvmiss_env())
         base.wait_http(f"http://127.0.0.1:{ports['metrics']}/healthz", 30, kvmiss, "kvmiss serve")
         recorder = base.Witness(f"tcp://127.0.0.1:{ports['events']}", keep_frames=CAPTURE_MESSAGES,
                                 keep_all=args.capture_run is not None)
@@ -594,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics = response.read().decode()
         (run_dir / "kvmiss-metrics.txt").write_text(metrics)
         extra["spans_received"] = metric(metrics, "kvmiss_spans_received_total")
-        extra["spans_exported"] = metric(metrics, "kvmiss_spans_exported_total")
+        extra["spans_exported"] = metric(metrics, "kvmiss_spans_handed_to_export_total")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/readyz", timeout=5) as response:
                 extra["readyz"] = response.status
