@@ -771,7 +771,7 @@ assemble_wait_s = 10.0
         for example in dump["wrong_examples"]:
             print("  ", json.dumps(example, default=str))
     print(f"kvmiss: spans received {final.get('kvmiss_spans_received_total', 0):,.0f}, exported "
-          f"{final.get('kvmiss_spans_exported_total', 0):,.0f}, refused {final.get('kvmiss_spans_refused_total', 0):,.0f}; "
+          f"{final.get('kvmiss_spans_handed_to_export_total', 0):,.0f}, refused {final.get('kvmiss_spans_refused_total', 0):,.0f}; "
           f"stream gaps {metric_sum(final, 'kvmiss_stream_gaps_total'):,.0f}, quarantined "
           f"{metric_sum(final, 'kvmiss_stream_quarantined'):,.0f}; exit code {exit_code} after SIGTERM")
     ok = (not (lost or short or duplicated or unexpected) and delivered == acked and outcomes["wrong"] == 0

@@ -15,6 +15,7 @@ import enum
 
 import msgspec
 
+from kvmiss.schemas.fleet import StreamReach
 from kvmiss.schemas.prompt import ExtraKeysSpec
 
 
@@ -278,6 +279,9 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # H was stored twice in the lookup's own engine step: one copy may predate the lookup
     # (a request that skips the prefix cache), so absence or eviction is not provable.
     same_step_copies: bool = False
+    # Whether the chosen worker's stream was connected at judging time, when its history had
+    # not reached the lookup (None: not watched -- offline, in-process).
+    reach: StreamReach | None = None
     # The chosen worker's clock at judging time (None: not measured, no live batch yet, or
     # a deployment that does not measure it). Out of bound, no index claim stands.
     clock: ClockOffset | None = None

@@ -69,6 +69,63 @@ def offset_endpoint(endpoint: str, dp_rank: int) -> str:
     return f"{match['head']}{int(match['port']) + dp_rank}"
 
 
+# --- addresses: one home for the shapes kvmiss accepts ---------------------------------------
+
+MAX_PORT = 65535
+
+
+def parse_listen_address(address: str) -> tuple[str, int]:
+    """``"host:port"``, ``"[::1]:port"``, ``":port"`` or ``"port"`` -> (host, port); a missing
+    host means loopback (never all interfaces by accident). ValueError says what is wrong."""
+    text = address.strip()
+    host, sep, port = text.rpartition(":")
+    if not sep and not text.isdigit():
+        raise ValueError(f"{address!r} is not host:port (e.g. \"127.0.0.1:4317\", \"[::1]:4318\", \":9464\")")
+    if host.startswith("[") != host.endswith("]"):
+        raise ValueError(f"{address!r}: an IPv6 host goes in brackets, e.g. \"[::1]:4317\"")
+    if ":" in host and not host.startswith("["):
+        raise ValueError(f"{address!r}: an IPv6 host goes in brackets, e.g. \"[::1]:4317\"")
+    _check_port(port, address, allow_zero=True)
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _check_port(port: str, where: str, *, allow_zero: bool) -> None:
+    if not port.isascii() or not port.isdigit():
+        raise ValueError(f"{where!r}: the port {port!r} is not a number" if port else f"{where!r} has no port")
+    low = 0 if allow_zero else 1
+    if not low <= int(port) <= MAX_PORT:
+        raise ValueError(f"{where!r}: port {int(port)} is outside {low}-{MAX_PORT}")
+
+
+ENDPOINT_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def check_zmq_endpoint(endpoint: str, *, bind: bool) -> str | None:
+    """A ZeroMQ endpoint kvmiss connects to (or binds, ``bind``): ``tcp://host:port``,
+    ``ipc://path`` or ``inproc://name``. Returns the host to resolve (tcp, connecting), or None;
+    ValueError says what is wrong, as libzmq's own "Invalid argument" does not."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ENDPOINT_SCHEMES:
+        raise ValueError(f"{endpoint!r} needs a scheme: tcp://host:port (or ipc://, inproc://)")
+    if not rest:
+        raise ValueError(f"{endpoint!r} names nothing after {scheme}://")
+    if scheme != "tcp":
+        return None
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or host in ("[]",):
+        raise ValueError(f"{endpoint!r} has no port: tcp://host:port")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise ValueError(f"{endpoint!r}: an IPv6 host goes in brackets, e.g. tcp://[::1]:5557")
+    _check_port(port, endpoint, allow_zero=bind)
+    if host == "*":
+        if not bind:
+            raise ValueError(f"{endpoint!r}: '*' (every interface) is for binding; name the engine's host")
+        return None
+    if ";" in host:  # libzmq's "source;destination" form
+        host = host.rpartition(";")[2]
+    return host.strip("[]")
+
+
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 
 
@@ -104,6 +161,9 @@ class OtlpConfig(_Section):
 class ExportConfig(_Section):
     endpoint: str | None = None  # http(s)://host:port (OTLP/HTTP) or grpc://host:port
     file: str | None = None  # also write enriched spans as OTLP/JSON lines
+    # No destination on purpose: spans are judged, counted and dropped. Without an endpoint or
+    # a file kvmiss refuses to start unless this says so (a forgotten section loses nothing).
+    discard: bool = False
     keep_block_hashes: bool = False
     timeout_s: float = 10.0
     tls_ca: str | None = None  # PEM CA bundle to verify https:// / grpcs:// (default: system)
@@ -142,6 +202,11 @@ class PrivacyConfig(_Section):
 class MetricsConfig(_Section):
     listen: str | None = "127.0.0.1:9464"  # /metrics, /healthz, /readyz
     unknown_budget: float = 0.05  # the share of misses allowed to be unknown_*
+    # /readyz fails while fewer than this share of the members' event streams are connected
+    # (a member counts as unreachable once it has not connected for a few seconds). Half:
+    # one engine down for maintenance keeps kvmiss ready, while a config whose endpoints are
+    # all wrong, or a replica cut off from the fleet, never becomes ready (so a rollout stops).
+    ready_min_connected_share: float = 0.5
 
 
 class HistoryConfig(_Section):
@@ -338,7 +403,8 @@ def check_workers(workers: list[WorkerSpec], source: str) -> None:
     """The rules a list of workers keeps, wherever it comes from: unique ids, and no two
     workers on the same endpoint, rank and topic."""
     seen: set[str] = set()
-    for worker in workers:
+    for i, worker in enumerate(workers):
+        check_worker_endpoints(worker, f"{source}: workers[{i}] (id {worker.id!r})")
         if worker.id in seen:
             raise ConfigError(f"{source}: workers: duplicate id {worker.id!r}", "duplicate_id")
         seen.add(worker.id)
@@ -348,8 +414,42 @@ def check_workers(workers: list[WorkerSpec], source: str) -> None:
                           "duplicate_endpoint")
 
 
+def check_worker_endpoints(worker: WorkerSpec, where: str) -> None:
+    """``endpoint`` and ``replay_endpoint`` as the worker's rank moves them: ConfigError naming
+    ``where`` and the key."""
+    for key, endpoint, bind in (("endpoint", worker.sub_endpoint(), worker.bind),
+                                ("replay_endpoint", worker.replay_address(), False)):
+        if endpoint is None:
+            continue
+        try:
+            check_zmq_endpoint(endpoint, bind=bind)
+        except ValueError as exc:
+            moved = f" (dp_rank {worker.dp_rank} moves the port)" if worker.dp_rank and worker.offset_by_rank else ""
+            raise ConfigError(f"{where}.{key}: {exc}{moved}") from None
+
+
+LISTEN_KEYS = ("otlp.grpc", "otlp.http", "metrics.listen")
+
+
+def listen_addresses(config: "Config") -> dict[str, str]:
+    """Every address kvmiss listens on, by key (the ones switched off are left out)."""
+    values = (config.otlp.grpc, config.otlp.http, config.metrics.listen)
+    return {key: value for key, value in zip(LISTEN_KEYS, values) if value}
+
+
 def _check(config: Config, source: str) -> None:
     check_workers(config.workers, source)
+    for key, address in listen_addresses(config).items():
+        try:
+            parse_listen_address(address)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+    if config.export.discard and (config.export.endpoint or config.export.file):
+        raise ConfigError(f"{source}: export.discard = true drops every span: it cannot go with "
+                          "export.endpoint or export.file")
+    if not 0.0 <= config.metrics.ready_min_connected_share <= 1.0:
+        raise ConfigError(f"{source}: metrics.ready_min_connected_share must be between 0 and 1, "
+                          f"got {config.metrics.ready_min_connected_share}")
     for name, value in (("otlp.max_body_bytes", config.otlp.max_body_bytes),
                         ("otlp.max_pending_spans", config.otlp.max_pending_spans),
                         ("export.timeout_s", config.export.timeout_s)):
@@ -468,6 +568,14 @@ def check_fleet_dns(dns: FleetDnsConfig, source: str) -> None:
         template = getattr(dns, key)
         if template is not None:
             template_fields(f"{source}: fleet.dns.{key}", template, DNS_TEMPLATE_FIELDS)
+    sample = {"ip": "192.0.2.1", "host": "192.0.2.1", "name": dns.name, "dp_rank": 0}
+    for key in ("endpoint", "replay_endpoint"):
+        template = getattr(dns, key)
+        if template is not None:
+            try:
+                check_zmq_endpoint(template.format(**sample), bind=False)
+            except ValueError as exc:
+                raise ConfigError(f"{source}: fleet.dns.{key}: {exc} (rendered from {template!r})") from None
     if not {"ip", "host"} & set(template_fields("", dns.id)):
         raise ConfigError(f"{source}: fleet.dns.id must contain {{ip}} or {{host}}: one worker per address")
     if dns.dp_size > 1 and "dp_rank" not in template_fields("", dns.id):
@@ -480,6 +588,10 @@ def check_fleet_topics(topics: FleetTopicsConfig, source: str) -> None:
     known before its first message)."""
     if not topics.bind.strip():
         raise ConfigError(f"{source}: fleet.topics.bind must be an endpoint, e.g. \"tcp://*:5557\"")
+    try:
+        check_zmq_endpoint(topics.bind, bind=True)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: fleet.topics.bind: {exc}") from None
     fields = template_fields(f"{source}: fleet.topics.topic_template", topics.topic_template)
     if not fields:
         raise ConfigError(f"{source}: fleet.topics.topic_template must have a field naming the worker, "

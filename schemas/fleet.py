@@ -28,6 +28,41 @@ class MemberState(str, enum.Enum):
     DEPARTED = "departed"  # left the fleet; kept read-only for lookups before it left, then released
 
 
+class Reach(str, enum.Enum):
+    """Whether kvmiss reaches a member's event stream, as /readyz and verdict reasons say it."""
+
+    CONNECTED = "connected"  # its publisher is connected (idle or publishing)
+    CONNECTING = "connecting"  # not yet, within the grace after start-up or its join
+    NEVER_CONNECTED = "never_connected"  # not once since kvmiss started following it
+    DISCONNECTED = "disconnected"  # connected before, not now
+
+
+class Unreachable(str, enum.Enum):
+    """Why a member's stream is not connected (low cardinality: a metric label)."""
+
+    REFUSED = "connection_refused"  # the host answered: nothing listens on that port
+    UNRESOLVED = "name_not_resolved"  # the host name does not resolve
+    NO_ANSWER = "no_answer"  # no reply to a connection attempt (a firewall, no route, a dead host)
+    NO_HANDSHAKE = "no_handshake"  # TCP connects, but no ZeroMQ publisher answers on it
+    NOT_OPENED = "socket_not_opened"  # kvmiss could not open its socket (a bad endpoint, a bind in use)
+    NO_PUBLISHER = "no_publisher_connected"  # kvmiss binds: no publisher has connected to it
+    NO_SUCH_PATH = "no_such_path"  # an ipc:// path that does not exist
+    NETWORK_ERROR = "network_error"  # any other socket error
+
+
+class StreamReach(msgspec.Struct, frozen=True, kw_only=True):
+    """A member's reachability at one moment: its state, since when (kvmiss clock), and why."""
+
+    state: Reach
+    since: float | None = None
+    cause: Unreachable | None = None
+    detail: str = ""  # the error as the system said it (never a secret: addresses and errno text)
+
+    @property
+    def blind(self) -> bool:
+        return self.state in (Reach.NEVER_CONNECTED, Reach.DISCONNECTED)
+
+
 class FleetChange(msgspec.Struct, frozen=True, kw_only=True):
     """One change of the fleet as one source saw it: workers that joined (their full spec)
     and workers that departed (by id), made by ``at`` and after ``since`` (kvmiss clock,

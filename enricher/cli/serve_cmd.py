@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 import zmq
@@ -133,8 +134,11 @@ def _run_group(args: argparse.Namespace) -> int:
     return max(codes, key=abs)
 
 
-def _check(config) -> int:
-    """What `serve` would run, from the validated config: no sockets, never the key."""
+def _check(config, processes: int = 1) -> int:
+    """What `serve` would run, from the validated config, and whether it would start: the
+    destination writable, every listen port free (bound for a moment), every host resolved
+    (a worker's that does not is a warning). Never prints the key."""
+    from kvmiss.enricher.service.preflight import Finding
     from google.protobuf.internal import api_implementation
 
     from kvmiss.enricher.core.privacy import DigestKeyError, load_digest_key
@@ -152,16 +156,26 @@ def _check(config) -> int:
     else:
         key = "none configured: a random key per process (digests will not match across restarts)"
     from kvmiss.enricher.otlp.exporter import build_exporters
-    try:  # the endpoint's scheme and TLS CA, as at start-up (the file is not opened here)
-        build_exporters(msgspec.structs.replace(config.export, file=None))
-    except (OSError, ValueError) as exc:
-        print(f"kvmiss serve: export: {exc}", file=sys.stderr)
+    from kvmiss.enricher.service.preflight import export_findings, listen_findings, worker_findings
+
+    findings = export_findings(config.export)
+    for index in range(processes):
+        findings += [f for f in listen_findings(process_config(config, index)) if f not in findings]
+    findings += worker_findings(config.workers)
+    if not any(f.fatal and f.key == "export.endpoint" for f in findings):
+        try:  # the endpoint's TLS CA, as at start-up (the file is not opened here)
+            build_exporters(msgspec.structs.replace(config.export, file=None))
+        except (OSError, ValueError) as exc:
+            key, _, message = str(exc).partition(": ")
+            findings.append(Finding(key if key.startswith("export.") else "export", message or str(exc), fatal=True))
+    fatal = [f for f in findings if f.fatal]
+    for finding in fatal:
+        print(f"kvmiss serve: {finding}", file=sys.stderr)
+    if fatal:
         return 2
-    export = " + ".join(filter(None, (config.export.endpoint, config.export.file))) or "none configured"
+    export = " + ".join(filter(None, (config.export.endpoint, config.export.file))) or \
+        "discard (spans are judged, counted and dropped)"
     records = config.export.request_records
-    if records and not os.path.isdir(os.path.dirname(records) or "."):
-        print(f"kvmiss serve: export.request_records: {os.path.dirname(records)} is not a directory", file=sys.stderr)
-        return 2
     fleet = _resolved_fleet(config)
     if fleet is None:
         return 2
@@ -179,6 +193,7 @@ def _check(config) -> int:
         f"workers: {len(config.workers)}",
         *(f"  {w.id}: {w.sub_endpoint()} (replay {w.replay_address() or 'none'})" for w in config.workers),
         *fleet,
+        *(f"warning: {f}" for f in findings),
         f"protobuf backend: {api_implementation.Type()}",
         f"residency table: {'compiled' if ACCELERATED else 'pure-Python reference model (slow)'}",
         f"OTLP wire path: {'compiled' if WIRE_SCAN else 'parsed messages only (slower)'}",
@@ -248,7 +263,14 @@ async def _serve(config) -> None:
         "kvmiss serve: OTLP grpc :%s http :%s, metrics :%s",
         service.receivers.grpc_port, service.receivers.http_port, service.metrics_port)
     await stop.wait()
+    log = logging.getLogger("kvmiss.serve")
+    log.info("kvmiss serve: stopping (signal): intake closed, judging what is held, flushing the exporters")
+    started = time.monotonic()
     await service.shutdown()
+    stats = service.pipeline.stats
+    log.info("kvmiss serve: stopped in %.1f s: %d spans received, %d handed to export, %d delivered, %d dropped",
+             time.monotonic() - started, stats.spans_in, stats.spans_out,
+             sum(q.sent_spans for q in service.queues), sum(q.dropped_total for q in service.queues))
 
 
 def apply_process_policies() -> None:
@@ -299,14 +321,26 @@ def run(args: argparse.Namespace) -> int:
         print("kvmiss serve: --processes must be >= 1", file=sys.stderr)
         return 2
     if args.check:
-        return _check(config)
+        return _check(config, args.processes)
     if args.processes > 1 and args.process_index is None:
         return _run_group(args)
+    from kvmiss.enricher.service.preflight import export_findings
+
+    for finding in export_findings(config.export):  # a destination before anything starts
+        if finding.fatal:
+            print(f"kvmiss serve: {finding}", file=sys.stderr)
+            return 2
+        logging.getLogger("kvmiss.serve").warning("%s", finding)
     config = process_config(config, args.process_index or 0)
     apply_process_policies()
+    from kvmiss.enricher.otlp.listener import ListenError
+
     try:
         asyncio.run(_serve(config))
-    except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad endpoint
+    except ListenError as exc:  # a port in use: the key and the address, one line
+        print(f"kvmiss serve: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, zmq.ZMQError) as exc:  # a file that cannot be opened, a socket
         print(f"kvmiss serve: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - anything else is reported, never a traceback storm

@@ -8,7 +8,7 @@ with the deployment's digest key and evidence options applied.
 from __future__ import annotations
 
 import math
-from typing import Collection
+from typing import Callable, Collection
 
 import msgspec
 
@@ -17,10 +17,12 @@ from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather, read_the_c
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.core.verdict import attribute, missed_reusable, unsettled_lookup
+from kvmiss.schemas.fleet import StreamReach
 from kvmiss.schemas.attribution import (
     AttributionRecord,
     Divergence,
     Evidence,
+    History,
     Label,
     RequestFacts,
     Verdict,
@@ -36,10 +38,14 @@ class Attributor:
     """Judges requests against one residency index. Not thread-safe (the index is not)."""
 
     def __init__(self, index: ResidencyIndex, digest_key: DigestKey | None = None, *,
-                 aged_out_as_recent_match: bool = False, clocks: Clocks | None = None):
+                 aged_out_as_recent_match: bool = False, clocks: Clocks | None = None,
+                 reach: Callable[[str], StreamReach | None] | None = None):
         """``clocks``: each worker's measured engine-clock offset at judging time (the
         service's stream health); None where kvmiss and the engines share one clock or
-        nothing was measured (offline, in-process), and then no clock is checked."""
+        nothing was measured (offline, in-process), and then no clock is checked. ``reach``:
+        whether a worker's stream is connected, so a history that never arrived is told
+        from one that is late."""
+        self.reach = reach
         self.index = index
         self.digest_key = digest_key
         self.aged_out_as_recent_match = aged_out_as_recent_match
@@ -112,6 +118,9 @@ class Attributor:
                    clocks=self.clocks, unsubscribed=self.unsubscribed, fleet=self.fleet_round())
             if needs_evidence else None
         )
+        if evidence is not None and evidence.history is History.LAGGING and self.reach is not None \
+                and facts.worker is not None:
+            evidence = msgspec.structs.replace(evidence, reach=self.reach(facts.worker))
         digest = self.digest_key.digest_block if self.digest_key is not None else None
         verdict = attribute(facts, evidence, digest=digest)
         if verdict.label is Label.NO_MATCH and facts.token_ids is not None and evidence is not None:

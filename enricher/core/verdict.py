@@ -35,9 +35,11 @@ with counts, sequence numbers and durations only: never hashes, token ids, salts
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvmiss.schemas.fleet import Reach, StreamReach
 from kvmiss.schemas.attribution import (
     LABEL_OWNER,
     ClockOffset,
@@ -346,6 +348,19 @@ def _gap_text(evidence: Evidence) -> str:
     return ""
 
 
+def _utc(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _blind_reason(reach: StreamReach) -> str:
+    cause = f" ({reach.cause.value})" if reach.cause is not None else ""
+    if reach.state is Reach.NEVER_CONNECTED:
+        return ("never connected: kvmiss has not reached the chosen worker's event stream since it began "
+                f"following it{cause}, so no history of it exists")
+    since = "" if reach.since is None else " since " + _utc(reach.since)
+    return f"unreachable{since}: the chosen worker's event stream is disconnected{cause}"
+
+
 def _insufficient_history_reason(facts: RequestFacts, evidence: Evidence) -> str:
     """One sentence per History value that is neither CONTINUOUS nor EPOCH_UNKNOWN."""
     t = facts.lookup_time
@@ -355,6 +370,8 @@ def _insufficient_history_reason(facts: RequestFacts, evidence: Evidence) -> str
                 "gap: a hole in the chosen worker's event stream that replay could not fill"
                 f"{_gap_text(evidence)} lies in the history this verdict needs"
             )
+        case History.LAGGING if evidence.reach is not None and evidence.reach.blind:
+            return _blind_reason(evidence.reach)
         case History.LAGGING:
             behind = ""
             if t is not None and evidence.applied_through_ts is not None:

@@ -65,6 +65,9 @@ RETRYABLE_GRPC_CODES = frozenset({_C.CANCELLED, _C.DEADLINE_EXCEEDED, _C.ABORTED
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 GZIP_LEVEL = 1  # ~3x faster than the default 6 for OTLP protobuf, ~10% larger: CPU is scarcer
 THREAD_COMPRESS_BYTES = 64 * 1024  # below it, a thread hop (~50 us) costs more than it frees
+# While a downstream keeps failing, one WARNING per this many seconds says so (the Collector's
+# exporters log each failed attempt; a retry a second would bury every other line).
+FAILURE_LOG_INTERVAL_S = 30.0
 
 
 def classify_http(status: int, retry_after: str | None, message: str = "") -> ExportResult:
@@ -158,7 +161,7 @@ class HttpExporter:
     def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", headers: dict | None = None,
                  tls_ca: str | None = None) -> None:  # fmt: skip
         endpoint = endpoint.rstrip("/")
-        self.url = endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+        self.url = self.target = endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
         # Built here, not per request: a bad CA file fails at start-up.
         self._ssl: ssl.SSLContext | bool = client_ssl_context(tls_ca) if self.url.startswith("https://") else True
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -218,8 +221,9 @@ class GrpcExporter:
 
     def __init__(self, endpoint: str, *, timeout_s: float = 10.0, compression: str = "gzip", metadata: tuple = (),
                  tls_ca: str | None = None) -> None:  # fmt: skip
-        scheme, _, self.target = endpoint.partition("://")
-        if scheme not in ("grpc", "grpcs") or not self.target:
+        scheme, _, self.address = endpoint.partition("://")
+        self.target = endpoint
+        if scheme not in ("grpc", "grpcs") or not self.address:
             raise ValueError(f"gRPC endpoint must be grpc://host:port or grpcs://host:port, got {endpoint!r}")
         self._secure = scheme == "grpcs"
         # Read here, not at the first export: a bad CA file fails at start-up.
@@ -239,9 +243,9 @@ class GrpcExporter:
             # own schedule, so keep the channel's short or a recovered sink stays unseen.
             options = [("grpc.max_reconnect_backoff_ms", 5_000), ("grpc.initial_reconnect_backoff_ms", 500)]
             if self._secure:
-                self._channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
             else:
-                self._channel = grpc.aio.insecure_channel(self.target, options=options)
+                self._channel = grpc.aio.insecure_channel(self.address, options=options)
             self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
             self._export_bytes = self._channel.unary_unary(  # no serializer: the bytes go as they are
                 EXPORT_METHOD, response_deserializer=ExportTraceServiceResponse.FromString)
@@ -251,7 +255,7 @@ class GrpcExporter:
             response = await call(body, timeout=self._timeout, compression=self._compression, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             return classify_grpc(exc.code(), exc.trailing_metadata(), exc.details() or "")
-        _log_partial_success(response, self.target)
+        _log_partial_success(response, self.address)
         return SENT
 
     async def shutdown(self) -> None:
@@ -286,8 +290,14 @@ class JsonLinesFileExporter:
     write is PERMANENT (retrying will not fix a full disk soon enough)."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        self.path = self.target = path
         self._file = None
+
+    def open(self) -> None:
+        """Open (create) the file now: a path that cannot be written stops start-up, rather
+        than failing at the first span (OSError)."""
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
 
     async def export(self, request: OtlpRequest) -> ExportResult:
         try:
@@ -334,10 +344,13 @@ class ExportQueue:
 
     Backoff starts at ``initial_backoff_s``, doubles up to ``max_backoff_s`` with +-20 %
     jitter; a delay the server asked for (Retry-After / RetryInfo) is used as given. A request
-    still failing after ``max_elapsed_s`` is given up. Counters (spans): ``sent_spans``;
-    ``failed_spans`` by reason (``permanent``, ``retries_exhausted``, ``exporter_error``);
-    ``dropped_spans`` by reason (``queue_full``, ``already_shutdown``, ``shutdown``);
-    ``retries`` counts attempts after the first.
+    still failing after ``max_elapsed_s`` is given up. Counters (spans): ``enqueued_spans``
+    (taken by `put`); ``sent_spans`` (delivered: the downstream accepted them);
+    ``retried_spans`` (in an attempt that is retried); ``failed_spans`` by reason
+    (``permanent``, ``retries_exhausted``, ``exporter_error``); ``dropped_spans`` by reason
+    (``queue_full``, ``already_shutdown``, ``shutdown``); ``retries`` counts attempts after
+    the first. A failing downstream is logged at WARNING when it starts failing, at most every
+    `FAILURE_LOG_INTERVAL_S` while it goes on, and when it recovers.
     """
 
     def __init__(self, exporter: TracesExporter, *, max_spans: int = 200_000, initial_backoff_s: float = 1.0,
@@ -361,7 +374,12 @@ class ExportQueue:
         self._worker: asyncio.Task | None = None
         self._closing = False
         self._shutdown: asyncio.Task | None = None
+        self.enqueued_spans = 0
         self.sent_spans = 0
+        self.retried_spans = 0
+        self.failing_since: float | None = None  # loop time of the first failure of a run of them
+        self._failure_logged = float("-inf")
+        self._failures_unlogged = 0
         self.failed_spans: collections.Counter[str] = collections.Counter()
         self.dropped_spans: collections.Counter[str] = collections.Counter()
         self.retries = 0
@@ -390,6 +408,7 @@ class ExportQueue:
             self.dropped_spans["queue_full"] += n
             return False
         self._items.append((request, n, tag))
+        self.enqueued_spans += n
         self.queued_spans += n
         self._put_seq += 1
         self._wakeup.set()
@@ -465,10 +484,12 @@ class ExportQueue:
                 return
             if result.outcome is Outcome.ACCEPTED:
                 self.sent_spans += n
+                if self.failing_since is not None:
+                    self._recovered(loop.time())
                 return
             if result.outcome is Outcome.PERMANENT:
-                log.warning("export failed permanently, %d spans dropped: %s", n, result.message)
                 self.failed_spans["permanent"] += n
+                self._failing(loop.time(), f"{n} spans dropped (not retryable): {result.message}")
                 return
             if result.retry_after_s is not None:
                 delay = result.retry_after_s  # the server knows its load better than we do
@@ -476,9 +497,36 @@ class ExportQueue:
                 delay = backoff * random.uniform(0.8, 1.2)
                 backoff = min(backoff * 2, self._max_backoff)
             if loop.time() + delay - started > self._max_elapsed:
-                log.warning("export still failing after %.0f s, %d spans dropped: %s", self._max_elapsed, n, result.message)
                 self.failed_spans["retries_exhausted"] += n
+                self._failing(loop.time(), f"{n} spans dropped after {self._max_elapsed:.0f} s of retries: "
+                                           f"{result.message}", force=True)
                 return
-            log.info("export retryable (%s); retrying in %.2f s", result.message, delay)
             self.retries += 1
+            self.retried_spans += n
+            self._failing(loop.time(), f"{result.message}; retrying in {delay:.1f} s")
             await asyncio.sleep(delay)
+
+    def _failing(self, now: float, what: str, *, force: bool = False) -> None:
+        """A failed attempt: WARNING at the first of a run, then at most every interval (spans
+        given up on are always said)."""
+        if self.failing_since is None:
+            self.failing_since = now
+        if not force and now - self._failure_logged < FAILURE_LOG_INTERVAL_S:
+            self._failures_unlogged += 1
+            return
+        since = now - self.failing_since
+        also = f"; {self._failures_unlogged} more failures since the last message" if self._failures_unlogged else ""
+        log.warning("export to %s failing%s: %s; %d spans queued, %d delivered, %d dropped so far%s",
+                    self.exporter.target, f" for {since:.0f} s" if since >= 1 else "", what, self.queued_spans,
+                    self.sent_spans, self.dropped_total, also)
+        self._failure_logged, self._failures_unlogged = now, 0
+
+    def _recovered(self, now: float) -> None:
+        log.warning("export to %s recovered after %.1f s: %d spans delivered, %d dropped so far",
+                    self.exporter.target, now - self.failing_since, self.sent_spans, self.dropped_total)
+        self.failing_since, self._failure_logged, self._failures_unlogged = None, float("-inf"), 0
+
+    @property
+    def dropped_total(self) -> int:
+        """Spans this queue will never deliver, for whatever reason."""
+        return sum(self.failed_spans.values()) + sum(self.dropped_spans.values())

@@ -70,6 +70,8 @@ OtlpRequest = ExportTraceServiceRequest | EncodedRequest  # what travels from th
 
 
 class TracesExporter(Protocol):
+    target: str  # where it sends (a URL, a host:port, a path): for logs, never a secret
+
     async def export(self, request: OtlpRequest) -> ExportResult:
         """Send one request downstream once (the caller retries RETRYABLE results)."""
         ...

@@ -53,6 +53,43 @@ LIMIT_WARNING_INTERVAL_S = 10.0  # at most one line per limit in this many secon
 _FD_LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
+class ListenError(OSError):
+    """An address kvmiss was told to listen on cannot be bound: one line naming the key."""
+
+    def __init__(self, key: str, address: str, reason: str):
+        super().__init__(f"{key}: cannot listen on {address}: {reason}")
+        self.key, self.address, self.reason = key, address, reason
+
+
+_BIND_HINTS = {
+    errno.EADDRINUSE: "address already in use (another process holds the port: a local Collector, an "
+                      "OpenTelemetry agent or a Prometheus exporter often does)",
+    errno.EADDRNOTAVAIL: "not an address of this host",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+}
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now, in words, or None when it can (the socket is
+    closed again). Port 0 always can. Binds as the listeners do: SO_REUSEADDR, no REUSEPORT."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"{host} does not resolve ({exc.strerror})"
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        return _BIND_HINTS.get(exc.errno, exc.strerror or str(exc))
+    finally:
+        sock.close()
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ConnectionBounds:
     """How much of a listener one connection may hold, and for how long (seconds)."""

@@ -78,12 +78,14 @@ from kvmiss.enricher.otlp.listener import (
     LIMIT_WARNING_INTERVAL_S,
     BodyRefused,
     ConnectionBounds,
+    ListenError,
+    bind_problem,
     HttpListener,
     LimitLog,
     answer_and_close,
     read_body,
 )
-from kvmiss.schemas.config import OtlpConfig
+from kvmiss.schemas.config import OtlpConfig, parse_listen_address
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +192,7 @@ def check_protobuf_backend() -> str:
     return backend
 
 
-def parse_listen(address: str) -> tuple[str, int]:
-    """``"host:port"``, ``"[::1]:port"``, ``":port"`` or ``"port"`` -> (host, port); a missing
-    host means loopback (never all interfaces by accident)."""
-    host, _, port = address.strip().rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port)
+parse_listen = parse_listen_address  # the rule lives with the config that validates it
 
 
 class TlsFilesError(ValueError):
@@ -381,10 +378,17 @@ class Receivers:
                 raise TlsFilesError("otlp.tls_cert and otlp.tls_key go together")
             self._http_tls, self._grpc_tls = load_server_tls(self._config.tls_cert, self._config.tls_key)
         try:
-            if self._config.grpc:
-                await self._start_grpc(self._config.grpc)
-            if self._config.http:
-                await self._start_http(self._config.http)
+            for key, address, start in (("otlp.grpc", self._config.grpc, self._start_grpc),
+                                        ("otlp.http", self._config.http, self._start_http)):
+                if not address:
+                    continue
+                problem = bind_problem(*parse_listen(address))  # before grpc core logs its own
+                if problem is not None:
+                    raise ListenError(key, address, problem)
+                try:
+                    await start(address)
+                except (OSError, RuntimeError) as exc:
+                    raise ListenError(key, address, str(exc)) from None
         except BaseException:
             await self.shutdown(0)
             raise

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import exposition as prom_text
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from kvmiss.enricher.otlp.listener import (BodyRefused, ConnectionBounds, HttpListener, LimitLog, answer_and_close,
-                                           read_body)
+from kvmiss.enricher.otlp.listener import (BodyRefused, ConnectionBounds, HttpListener, LimitLog, ListenError,
+                                           answer_and_close, bind_problem, read_body)
 from kvmiss.enricher.otlp.receiver import parse_listen
 
 log = logging.getLogger("kvmiss.serve")
@@ -33,9 +33,11 @@ BODY_TIMEOUT_S = 5.0
 class HealthEndpoint:
     """``ready()``: (ready, detail by worker) -- the service's own rule (`Service.ready`)."""
 
-    def __init__(self, registry: CollectorRegistry, ready: Callable[[], tuple[bool, dict[str, str]]]):
+    def __init__(self, registry: CollectorRegistry, ready: Callable[[], tuple[bool, dict[str, str]]],
+                 detail: Callable[[], dict[str, dict]] | None = None):
         self.registry = registry
         self.ready = ready
+        self.detail = detail  # per worker: endpoint, connection, cause (`Service.worker_status`)
         self.stats: collections.Counter[str] = collections.Counter()  # refused bodies, by reason
         self.listener: HttpListener | None = None
         self.port: int | None = None
@@ -48,7 +50,14 @@ class HealthEndpoint:
         self.listener = HttpListener(
             app, BOUNDS, name="metrics endpoint", stats=self.stats,
             cap_hint="counted in kvmiss_metrics_http_connections_refused_total", warnings=LimitLog(log))
-        await self.listener.start(*parse_listen(address))
+        host, port = parse_listen(address)
+        problem = bind_problem(host, port)
+        if problem is not None:
+            raise ListenError("metrics.listen", address, problem)
+        try:
+            await self.listener.start(host, port)
+        except OSError as exc:
+            raise ListenError("metrics.listen", address, exc.strerror or str(exc)) from None
         self.port = self.listener.port
 
     async def shutdown(self) -> None:
@@ -88,7 +97,10 @@ class HealthEndpoint:
 
     async def _readyz(self, request: web.Request) -> web.Response:
         ready, states = self.ready()
-        return web.json_response({"ready": ready, "workers": states}, status=200 if ready else 503)
+        body = {"ready": ready, "workers": states}
+        if self.detail is not None:
+            body["detail"] = self.detail()
+        return web.json_response(body, status=200 if ready else 503)
 
 
 class _Families:

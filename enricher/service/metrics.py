@@ -63,7 +63,11 @@ class KvmissCollector(Collector):
         recently_departed: Callable[[], Container[str]] = frozenset,
         dns_outcomes: Callable[[], Mapping[str, int]] | None = None,
         topic_drops: Callable[[], Mapping[str, int]] | None = None,
+        unreachable: Callable[[], Mapping[str, int]] | None = None,
+        discarded: Callable[[], int] | None = None,
     ):
+        self.unreachable = unreachable  # members not connected past their grace, by cause
+        self.discarded = discarded  # `[export] discard = true`: spans dropped on purpose
         self.stats = stats
         self.clock_bounds = clock_bounds  # the receive-lag bound of `ClockOffset`, if checked
         self.streams = streams
@@ -167,24 +171,45 @@ class KvmissCollector(Collector):
         yield from (written, dropped, rotations, errors, queued)
 
     def _exports(self) -> Iterator[Metric]:
-        """What happened to spans after the pipeline: a downstream outage that outlasts the
-        retries must show up here, not only in a log."""
-        e = ["exporter"]
-        sent = CounterMetricFamily("kvmiss_export_spans_sent", "Spans delivered downstream.", labels=e)
-        failed = CounterMetricFamily("kvmiss_export_spans_failed", "Spans given up on, by reason.", labels=["exporter", "reason"])
-        dropped = CounterMetricFamily("kvmiss_export_spans_dropped", "Spans refused by a full or closed queue, by reason.", labels=["exporter", "reason"])
+        """What happened to spans after the pipeline, per exporter: handed to its queue,
+        delivered (the downstream said yes), retried, dropped by reason. A downstream outage
+        must show up here, not only in a log."""
+        e, er = ["exporter"], ["exporter", "reason"]
+        enqueued = CounterMetricFamily("kvmiss_export_spans_enqueued", "Spans handed to the exporter's queue.", labels=e)
+        delivered = CounterMetricFamily("kvmiss_export_spans_delivered",
+                                        "Spans the downstream accepted (moves only on delivery).", labels=e)
+        retried = CounterMetricFamily("kvmiss_export_spans_retried", "Spans in export attempts that failed and were "
+                                      "retried (a span retried twice counts twice).", labels=e)
+        dropped = CounterMetricFamily(
+            "kvmiss_export_spans_dropped", "Spans that will never be delivered, by reason: permanent (refused, or "
+            "the file not writable), retries_exhausted, exporter_error, queue_full, already_shutdown, shutdown.",
+            labels=er)
         retries = CounterMetricFamily("kvmiss_export_retries", "Export attempts after the first.", labels=e)
         queued = GaugeMetricFamily("kvmiss_export_queue_spans", "Spans waiting in the export queue.", labels=e)
+        failing = GaugeMetricFamily("kvmiss_export_failing", "1 while the exporter's last attempt failed.", labels=e)
         for queue in self.exports():
             name = type(queue.exporter).__name__.removesuffix("Exporter").lower() or "exporter"
-            sent.add_metric([name], queue.sent_spans)
-            for reason, n in sorted(queue.failed_spans.items()):
-                failed.add_metric([name, reason], n)
-            for reason, n in sorted(queue.dropped_spans.items()):
+            enqueued.add_metric([name], queue.enqueued_spans)
+            delivered.add_metric([name], queue.sent_spans)
+            retried.add_metric([name], queue.retried_spans)
+            for reason, n in sorted((*queue.failed_spans.items(), *queue.dropped_spans.items())):
                 dropped.add_metric([name, reason], n)
             retries.add_metric([name], queue.retries)
             queued.add_metric([name], queue.queued_spans)
-        yield from (sent, failed, dropped, retries, queued)
+            failing.add_metric([name], int(queue.failing_since is not None))
+        yield from (enqueued, delivered, retried, dropped, retries, queued, failing)
+        if self.discarded is not None:
+            discarded = CounterMetricFamily("kvmiss_spans_discarded", "Spans judged and dropped: [export] discard = true.")
+            discarded.add_metric([], self.discarded())
+            yield discarded
+        if self.unreachable is not None:
+            unreachable = GaugeMetricFamily(
+                "kvmiss_workers_unreachable", "Members whose event stream is not connected past the grace, by cause "
+                "(connection_refused, name_not_resolved, no_answer, no_handshake, socket_not_opened, "
+                "no_publisher_connected, no_such_path, network_error).", labels=["cause"])
+            for cause, n in sorted(self.unreachable().items()):
+                unreachable.add_metric([cause], n)
+            yield unreachable
 
     def _policy(self, policy: str, seen: list[str]) -> str:
         if policy in seen or len(seen) < MAX_ROUTE_POLICIES:
@@ -348,7 +373,8 @@ class KvmissCollector(Collector):
         s = self.stats
         received = CounterMetricFamily("kvmiss_spans_received", "Spans accepted from OTLP senders.")
         received.add_metric([], s.spans_in)
-        exported = CounterMetricFamily("kvmiss_spans_exported", "Spans handed to the exporter.")
+        exported = CounterMetricFamily("kvmiss_spans_handed_to_export",
+                                       "Spans the pipeline passed on, enriched or not (delivery: kvmiss_export_spans_*).")
         exported.add_metric([], s.spans_out)
         intake = self.intake()
         refused = CounterMetricFamily(

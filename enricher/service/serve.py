@@ -41,6 +41,7 @@ from kvmiss.enricher.service.health_endpoint import HealthEndpoint
 from kvmiss.enricher.service.metrics import KvmissCollector
 from kvmiss.enricher.service.pipeline import Pipeline
 from kvmiss.enricher.service.request_records import RequestRecords
+from kvmiss.enricher.service.worker_watch import WorkerWatch
 from kvmiss.schemas.attribution import ClockOffset, Label, RequestFacts, Verdict
 from kvmiss.schemas.config import Config
 from kvmiss.schemas.fleet import FleetChange, MemberState
@@ -67,6 +68,7 @@ class FanOut:
     def __init__(self, queues: list[ExportQueue], journal: SpanJournal | None = None):
         self.queues = queues
         self.journal = journal
+        self.discarded_spans = 0  # `[export] discard = true`: judged, counted, dropped
         if journal is not None and queues:
             queues[0].on_finished = lambda spans, tag: journal.done(tag)
 
@@ -75,9 +77,10 @@ class FanOut:
 
     def put(self, request: OtlpRequest, tag: object = None) -> bool:
         if not self.queues:
+            self.discarded_spans += span_count(request)
             if self.journal is not None:
                 self.journal.done(tag)
-            return True  # nowhere to send: a dry run
+            return True  # nowhere to send, on purpose
         ok = True
         for queue in self.queues[1:]:
             if type(request) is EncodedRequest:  # immutable bytes: shared
@@ -163,8 +166,15 @@ class Service:
             if export.request_records else None
         self.exemplars: dict[tuple[Label, str, str], str] = {}
         self._unsettled: dict[str, float] = {}  # worker -> since when recovering / verifying (`ready`)
+        # Each member's stream connected or not, and why not (loop thread).
+        self.worker_watch = WorkerWatch(
+            specs=lambda: self.fleet.specs, connection=self.subscriber.connection, heard=self._heard,
+            unopened=self.subscriber.unopened, member_since=self._member_since, departed=self._departed,
+            clock=clock, grace_s=JOIN_GRACE_S)
+        self.attributor.reach = self.worker_watch.status
+        self.sink = FanOut(self.queues, self.journal)
         self.pipeline = Pipeline(
-            self.attributor, FanOut(self.queues, self.journal), reader=SpanReader(config.attributes),
+            self.attributor, self.sink, reader=SpanReader(config.attributes),
             hasher=self._hasher(), default_block_size=config.engine.block_size,
             assemble_wait_s=config.history.assemble_wait_s, history_wait_s=config.history.wait_s,
             max_pending_spans=config.otlp.max_pending_spans,
@@ -183,7 +193,7 @@ class Service:
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there
         dns = next((s for s in self.fleet_watch.sources if s.name == "dns"), None)
         self.registry = CollectorRegistry()
-        self.health = HealthEndpoint(self.registry, self.ready)  # /metrics, /healthz, /readyz
+        self.health = HealthEndpoint(self.registry, self.ready, self.worker_status)  # /metrics, /healthz, /readyz
         self.registry.register(KvmissCollector(
             self.pipeline.stats, lambda: self.fleet.streams,
             unknown_budget=config.metrics.unknown_budget, exemplars=self.exemplars,
@@ -194,7 +204,9 @@ class Service:
             fleet=(self.fleet_stats, self.member_states), recently_departed=lambda: self._departed,
             aged_out=lambda: (*self.index.aged_out_remembered(), self.index.aged_out_forgotten),
             dns_outcomes=None if dns is None else lambda: {o.value: n for o, n in dns.outcomes.items()},
-            topic_drops=None if self.topic_feed is None else lambda: dict(self.topic_feed.counts)))
+            topic_drops=None if self.topic_feed is None else lambda: dict(self.topic_feed.counts),
+            unreachable=self.worker_watch.unreachable_by_cause,
+            discarded=(lambda: self.sink.discarded_spans) if config.export.discard else None))
         self._ticker: asyncio.Task | None = None
         self._stopping = False
 
@@ -364,10 +376,17 @@ class Service:
         if self.request_records is not None:  # a path that cannot be opened stops start-up
             self.request_records.start()
         for queue in self.queues:
+            open_file = getattr(queue.exporter, "open", None)
+            if open_file is not None:  # export.file: a path that cannot be written stops start-up
+                try:
+                    open_file()
+                except OSError as exc:
+                    raise OSError(f"export.file: cannot write {queue.exporter.target}: {exc.strerror or exc}") from None
             await queue.start()
         await self.fleet_watch.poll_once()  # the sources' fleet from the first socket on
         self.subscriber.start()
         self.fleet_watch.start()
+        self.worker_watch.start()
         self._ticker = asyncio.get_running_loop().create_task(self._tick_forever(), name="kvmiss-tick")
         if self.journal is not None:
             self.pipeline.stats.journal = self.journal
@@ -390,6 +409,7 @@ class Service:
         self._stopping = True
         await self.receivers.shutdown(grace=min(5.0, timeout))
         await self.fleet_watch.shutdown()
+        await self.worker_watch.shutdown()
         if self._ticker is not None:
             self._ticker.cancel()
         self.drain(None)
@@ -470,6 +490,29 @@ class Service:
 
     # --- health and metrics ---------------------------------------------------------------
 
+    def _heard(self, worker: str) -> bool:
+        """Whether anything came from the worker's stream: a batch, or a tail probe's answer."""
+        stream = self.fleet.streams.get(worker)
+        return stream is not None and bool(stream.health.batches_applied or stream.health.tail_confirmations
+                                           or stream.cursor is not Cursor.INITIAL)
+
+    def worker_status(self) -> dict[str, dict]:
+        """Each member's stream for /readyz and `kvmiss status`: endpoint, connection, since when,
+        why not, and the stream's cursor (no secret: addresses and the system's error text)."""
+        out = {}
+        for worker, spec in self.fleet.specs.items():
+            if worker in self._departed:
+                continue
+            stream, reach = self.fleet.streams.get(worker), self.worker_watch.status(worker)
+            entry = {"endpoint": spec.sub_endpoint(), "replay_endpoint": spec.replay_address(),
+                     "cursor": None if stream is None else ("quarantined" if stream.quarantined else stream.cursor.value),
+                     "batches_applied": 0 if stream is None else stream.health.batches_applied}
+            if reach is not None:
+                entry.update(stream=reach.state.value, since=reach.since,
+                             cause=None if reach.cause is None else reach.cause.value, detail=reach.detail or None)
+            out[worker] = entry
+        return out
+
     def ready(self) -> tuple[bool, dict[str, str]]:
         """Ready while the collector runs and the streams and the pipeline are healthy: every worker's stream is live,
         explicitly quarantined, or has published nothing yet (an idle engine publishes
@@ -485,9 +528,14 @@ class Service:
         streams = self.fleet.streams  # replaced, never changed in place, by a fleet change
         for worker in [w for w in self._unsettled if w not in streams]:
             del self._unsettled[worker]  # departed: its state is nobody's readiness
+        watch = self.worker_watch
         for worker, stream in streams.items():
             if worker in self._departed:
                 continue  # a departed worker followed a little longer (`linger_s`)
+            reach = watch.status(worker)
+            if reach is not None and reach.blind and now - (reach.since or now) >= watch.grace_s:
+                states[worker] = reach.state.value
+                continue
             state = "quarantined" if stream.quarantined else stream.cursor.name.lower()
             states[worker] = state
             if state in ("recovering", "verifying"):
@@ -495,6 +543,11 @@ class Service:
                 healthy &= now - since < READY_GRACE_S
             else:
                 self._unsettled.pop(worker, None)
+        share, minimum = watch.connected_share(), self.config.metrics.ready_min_connected_share
+        if share is not None and share < minimum:
+            states["fleet"] = (f"{share:.0%} of the members' event streams connected, below "
+                               f"metrics.ready_min_connected_share ({minimum:.0%})")
+            healthy = False
         pipeline = self.pipeline
         room = pipeline.max_pending_spans - pipeline.pending_spans
         if room < pipeline.max_pending_spans // 10 or not pipeline.sink.has_capacity(pipeline.pending_spans):

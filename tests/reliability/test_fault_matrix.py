@@ -126,10 +126,10 @@ def test_exporter_down_then_back_buffers_within_the_bound_pushes_back_then_flush
     # which is full of what came after it. Nothing may be dropped for lack of room.
     wait_until(lambda: engines.clock() > t_future + 0.01, "engine time past the held lookup")
     engines.tick()
-    wait_until(lambda: kvmiss.scrape().get("kvmiss_spans_exported") >= accepted_while_down,
+    wait_until(lambda: kvmiss.scrape().get("kvmiss_spans_handed_to_export") >= accepted_while_down,
                "every accepted span handed to the export queue")
     m = kvmiss.scrape()
-    assert m.get("kvmiss_spans_exported") == accepted_while_down
+    assert m.get("kvmiss_spans_handed_to_export") == accepted_while_down
     assert m.by("kvmiss_requests_unenriched", "reason").get("export_refused", 0) == 0
 
     # Bring the sink back between two of the queue's retries, after the OTel SDK exporter
@@ -746,7 +746,7 @@ def test_kvmiss_sigkilled_loses_nothing_it_acknowledged_the_journal_replays_it(r
         request = spans.request(plain=100)
         assert sender.try_once(request) == 200
         held += span_ids(request)
-    wait_until(lambda: kvmiss.scrape().get("kvmiss_spans_exported") >= delivered_before + 200,
+    wait_until(lambda: kvmiss.scrape().get("kvmiss_spans_handed_to_export") >= delivered_before + 200,
                "the last two requests in the export queue")
     m = kvmiss.scrape()
     pending_at_kill = m.get("kvmiss_spans_received") - len(sink.spans())

@@ -285,5 +285,5 @@ def wait_quiet(replicas: list[Replica], requests: int, timeout: float = 60.0) ->
     def quiet():
         scrapes = [replica.kvmiss.scrape() for replica in replicas]
         return (sum(m.get("kvmiss_requests") for m in scrapes) >= requests
-                and all(m.get("kvmiss_spans_received") == m.get("kvmiss_export_spans_sent") for m in scrapes))
+                and all(m.get("kvmiss_spans_received") == m.get("kvmiss_export_spans_delivered") for m in scrapes))
     wait_until(quiet, f"the replicas to judge {requests} requests and export every span", timeout, interval=0.5)

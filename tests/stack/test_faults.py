@@ -106,7 +106,7 @@ def test_a_replica_killed_mid_load(deployments, tmp_path, journal):
     wait_until(lambda: victim.kvmiss.scrape().get("kvmiss_spans_received") > before, "the victim to receive spans", 20)
     time.sleep(1.0)
     m = victim.kvmiss.scrape()
-    held = m.get("kvmiss_spans_received") - m.get("kvmiss_export_spans_sent")
+    held = m.get("kvmiss_spans_received") - m.get("kvmiss_export_spans_delivered")
     victim.kvmiss.kill()
     deployment.router.release_late()
     for _ in range(2):  # traffic goes on while it is down: its share waits in the Collector's queue
