@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "whatif": ("whatif_cmd", "what-if cache sizing: the hit ratio a larger pool would have given (an estimate)"),
     "requests": ("requests_cmd", "request records (for attribute and whatif) from spans in OTLP/JSON files"),
     "report": ("report_cmd", "render the HTML report from attribution records or enriched OTLP-JSON spans"),
+    "status": ("status_cmd", "ask a running kvmiss serve: ready or not, and each worker's stream and why not"),
     "config": ("config_cmd", "example configurations shipped with kvmiss (kvmiss config example [NAME])"),
     "fleet-sync": ("fleet_sync_cmd", "keep a [fleet] file equal to a Kubernetes Service's ready endpoints (a sidecar)"),
 }
