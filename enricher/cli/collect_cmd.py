@@ -5,8 +5,9 @@ Runs until SIGINT/SIGTERM or ``--duration`` seconds. Stream facts (new epoch, ho
 quarantine, release, uncertain epoch) go to stderr as one JSON object per line as they
 happen; they carry sequence numbers, epochs and reasons, never token ids, hashes or salts.
 At the end the recording is flushed and closed, and a per-worker health summary is printed
-on stdout as one JSON object. Exit status: 0, or 2 when the configuration or the recording
-file cannot be used (the message names the key or the file).
+on stdout as one JSON object. Exit status: 0; 1 when a worker delivered nothing (no batch,
+no answer to a tail probe: never connected, or silent); 2 when the configuration or the
+recording file cannot be used (the message names the key or the file).
 """
 
 from __future__ import annotations
@@ -178,6 +179,19 @@ def run(args: argparse.Namespace, stdout: IO[str] | None = None,
     facts.line("collect_stopped", by=stopped_by[0] if stopped_by else "error",
                elapsed_s=round(elapsed, 3))
     summary = health_summary(fleet, elapsed_s=elapsed, recorder=recorder)
+    silent = []
+    for worker, entry in summary["workers"].items():
+        entry["connection"] = subscriber.connection(worker)
+        health = fleet.streams[worker].health
+        entry["delivered"] = bool(health.batches_applied or health.tail_confirmations)
+        if not entry["delivered"]:
+            silent.append(worker)
     stdout.write(_encoder.encode(summary).decode() + "\n")
     stdout.flush()
-    return 0
+    for worker in silent:
+        entry = summary["workers"][worker]
+        why = {"never": "never connected", "unopened": "its socket could not be opened",
+               "disconnected": "disconnected"}.get(entry["connection"], "connected, but nothing came")
+        print(f"kvmiss collect: worker {worker} ({fleet.specs[worker].sub_endpoint()}): delivered nothing in "
+              f"{elapsed:.1f} s: {why}", file=stderr)
+    return 1 if silent else 0

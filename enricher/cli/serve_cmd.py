@@ -324,14 +324,15 @@ def run(args: argparse.Namespace) -> int:
         return _check(config, args.processes)
     if args.processes > 1 and args.process_index is None:
         return _run_group(args)
-    from kvmiss.enricher.service.preflight import export_findings
+    from kvmiss.enricher.service.preflight import export_findings, listen_findings
 
-    for finding in export_findings(config.export):  # a destination before anything starts
+    config = process_config(config, args.process_index or 0)
+    # A destination and every port before anything starts: nothing is left half-running.
+    for finding in export_findings(config.export) + listen_findings(config):
         if finding.fatal:
             print(f"kvmiss serve: {finding}", file=sys.stderr)
             return 2
         logging.getLogger("kvmiss.serve").warning("%s", finding)
-    config = process_config(config, args.process_index or 0)
     apply_process_policies()
     from kvmiss.enricher.otlp.listener import ListenError
 

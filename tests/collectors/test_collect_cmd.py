@@ -157,3 +157,20 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path, capsys, worker_lines, nam
 def test_a_missing_config_file_exits_2(tmp_path, capsys):
     assert main(["collect", "--config", str(tmp_path / "nope.toml")]) == 2
     assert "nope.toml" in capsys.readouterr().err
+
+
+def test_a_worker_that_never_delivered_exits_1_naming_it(tmp_path, capsys):
+    """Nothing listens on the worker's port: the summary says it never connected and the exit
+    status is not 0 (a script running collect must not take an empty recording for a quiet one)."""
+    from zmq_ports import quiet_port
+
+    port = quiet_port()
+    path = tmp_path / "unreachable.toml"
+    path.write_text(f'[[workers]]\nid = "w0"\nendpoint = "tcp://127.0.0.1:{port}"\n')
+    assert main(["collect", "--config", str(path), "--duration", "1"]) == 1
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["workers"]["w0"]["connection"] == "never"
+    assert summary["workers"]["w0"]["delivered"] is False
+    assert f"worker w0 (tcp://127.0.0.1:{port}): delivered nothing" in captured.err
+    assert "never connected" in captured.err
