@@ -35,6 +35,7 @@ import logging
 import os
 import ssl
 import tempfile
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,7 +344,11 @@ class SliceWatch:
                     log.warning("fleet-sync: the API server answers again")
                 failing, backoff = False, 0.5
                 while not stop.is_set():
+                    started = time.monotonic()
                     await self._watch_once(session, stop)
+                    if time.monotonic() - started < 1.0:
+                        # A watch the server (or a proxy) ends at once: no tight loop of requests.
+                        await _sleep(stop, 1.0)
             except Exception as exc:  # aiohttp's errors, OSError, a bad answer, a refused render
                 if isinstance(exc, ApiError) and exc.status == 410:
                     log.info("fleet-sync: watch version expired; listing again")
@@ -351,10 +356,7 @@ class SliceWatch:
                 if not failing:
                     log.warning("fleet-sync: %s: %s; the last file stays, retrying", type(exc).__name__, exc)
                 failing = True
-                try:
-                    await asyncio.wait_for(stop.wait(), backoff)
-                except asyncio.TimeoutError:
-                    pass
+                await _sleep(stop, backoff)
                 backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     async def _get(self, session, url: str, timeout: float):
@@ -399,6 +401,13 @@ class SliceWatch:
                     pending |= self.apply(json.loads(line))
             if pending:
                 self.write()
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
 
 
 async def watch(api: KubeApi, service: str, rendering: SliceRendering, output: str | os.PathLike,

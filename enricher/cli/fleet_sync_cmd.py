@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -97,14 +98,11 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"kvmiss fleet-sync: {exc}", file=sys.stderr)
         return 2
-    overrides = {}
+    # An empty --token-file / --ca-file means none (a plain-HTTP API proxy, the system CAs).
     if args.token_file is not None:
-        overrides["token_file"] = Path(args.token_file) if args.token_file else None
+        api = dataclasses.replace(api, token_file=Path(args.token_file) if args.token_file else None)
     if args.ca_file is not None:
-        overrides["ca_file"] = Path(args.ca_file) if args.ca_file else None
-    if overrides:
-        api = KubeApi(server=api.server, namespace=api.namespace, **{
-            "token_file": api.token_file, "ca_file": api.ca_file, **overrides})
+        api = dataclasses.replace(api, ca_file=Path(args.ca_file) if args.ca_file else None)
 
     async def main() -> None:
         stop = asyncio.Event()

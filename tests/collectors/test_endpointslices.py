@@ -18,6 +18,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+import urllib.parse
 
 import pytest
 from aiohttp import web
@@ -400,3 +401,53 @@ def test_the_api_servers_ca_is_checked(tmp_path, tls):
         done.set()
         thread.join(10)
 
+
+
+def test_the_sidecar_command_lists_writes_and_stops_on_sigterm(tmp_path):
+    """`kvmiss fleet-sync` as the chart runs it, against a plain-HTTP server whose watches end at
+    once (a proxy that closes them): the file is written, the watch is not retried in a tight
+    loop, and SIGTERM ends the process with status 0."""
+    import http.server
+    import signal
+    import sys
+    import time
+
+    requests = []
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            requests.append(self.path)
+            body = b"" if "watch=1" in self.path else json.dumps(
+                {"metadata": {"resourceVersion": "5"}, "items": SLICES}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    output = tmp_path / "fleet.toml"
+    proc = subprocess.Popen([sys.executable, "-m", "kvmiss.enricher.cli", "fleet-sync", "--service", "vllm-engines",
+                             "--namespace", "serving", "--output", str(output), "--members", "serving",
+                             "--api-server", f"http://127.0.0.1:{server.server_address[1]}", "--token-file", "",
+                             "--ca-file", ""], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not output.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timed out"
+            time.sleep(0.05)
+        time.sleep(2.5)
+        assert [w.id for w in parse_fleet_file(output.read_text())] == ["vllm-0", "vllm-2", "vllm-3", "vllm-4"]
+        watches = [p for p in requests if "watch=1" in p]
+        assert 1 <= len(watches) <= 4  # about one a second, not hundreds
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(watches[0]).query)
+        assert query["labelSelector"] == ["kubernetes.io/service-name=vllm-engines"] and query["resourceVersion"] == ["5"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.shutdown()
