@@ -138,6 +138,20 @@ def test_every_values_set_renders_a_config_kvmiss_accepts(helm, name):
     assert len(annotation) == 64
 
 
+def test_numbers_strings_and_lists_survive_yaml_and_set(helm):
+    """Helm reads every YAML number as a float: whole ones must still reach kvmiss as integers
+    (msgspec refuses 200000.0 for an int key), fractions as floats, --set ints as ints."""
+    out = run_helm(helm, "template", "k", str(CHART), *values_args("static", (
+        "config.otlp.max_pending_spans=300000", "config.otlp.max_body_bytes=20971520", "ports.otlp.containerPort=5317",
+        "config.attributes.worker={kvmiss.route.worker,x.worker}", "config.export.keep_block_hashes=true")),
+        "--set-json", "config.history.wait_s=7.5").stdout
+    config = rendered_config([d for d in yaml.safe_load_all(out) if d])
+    assert (config.otlp.max_pending_spans, config.history.wait_s, config.otlp.max_body_bytes) == (300000, 7.5, 20971520)
+    assert config.otlp.grpc == "0.0.0.0:5317" and config.export.keep_block_hashes is True
+    assert list(config.attributes.worker) == ["kvmiss.route.worker", "x.worker"]
+    assert config.workers[3].pool_blocks == 16384  # a YAML int inside an array of tables
+
+
 def test_static_fleet_is_the_listed_workers(helm):
     config = rendered_config(template(helm, "static"))
     assert [(w.id, w.endpoint, w.pool_blocks) for w in config.workers][::3] == [
