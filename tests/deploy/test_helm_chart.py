@@ -197,7 +197,7 @@ def test_endpointslices_fleet_has_the_sidecar_its_rbac_and_a_shared_file(helm):
     role = one(docs, "Role")
     assert role["metadata"]["namespace"] == "serving"
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["get", "list", "watch"]}]
+                              "verbs": ["list", "watch"]}]
     binding = one(docs, "RoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod_spec(docs)["serviceAccountName"],
