@@ -129,7 +129,8 @@ class Fleet:
         return replays
 
 
-def play_recording(path: str, fleet: Fleet, stats: ReadStats | None = None) -> int:
+def play_recording(path: str, fleet: Fleet, stats: ReadStats | None = None,
+                   on_message: Callable[[RecordedMessage], None] | None = None) -> int:
     """Feed a recording through ``fleet`` in file order; returns messages played.
 
     Replies are given to the replay request the stream is waiting on (the recording holds
@@ -139,6 +140,7 @@ def play_recording(path: str, fleet: Fleet, stats: ReadStats | None = None) -> i
     without tick records (hand-made, or older) runs each due timer before the first message
     received after it, with tail probes turned off in ``fleet``'s streams (no probe was sent
     live at those points). Either way the same file always yields the same applied batches.
+    ``on_message`` sees each message just before it is played (so a sink can date what follows).
     """
     recorded_ticks = any(m.socket == TICK for m in read_recording(path))
     if not recorded_ticks:
@@ -148,6 +150,8 @@ def play_recording(path: str, fleet: Fleet, stats: ReadStats | None = None) -> i
             stream.config = msgspec.structs.replace(stream.config, tail_probe_interval_s=None)
     played = 0
     for message in read_recording(path, stats):
+        if on_message is not None:
+            on_message(message)
         _play_one(fleet, message, recorded_ticks)
         played += 1
     return played

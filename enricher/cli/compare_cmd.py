@@ -1,8 +1,8 @@
 """`kvmiss compare REFERENCE.json CANDIDATE.json`: where two prompt renderings stop sharing
 cached blocks (for application CI).
 
-Each file is a `kvmiss hash` input object (token ids plus extra keys, and the engine
-settings ``algo``/``block_size``/``seed``/``extra_keys_format``/``lookahead_tokens``, which
+Each file (``-``: stdin, for one of the two) is a `kvmiss hash` input object (token ids plus
+extra keys, and the engine settings ``algo``/``block_size``/``seed``/``extra_keys_format``/``lookahead_tokens``, which
 must be the same on both sides: a difference is bad input naming the setting). Prints one
 JSON object with every key present: ``identical_chain``, ``candidate_is_prefix``,
 ``reference_is_prefix``, ``shorter_than_one_block``, or ``diverged`` with the first differing
@@ -34,7 +34,7 @@ _decoder = msgspec.json.Decoder(HashRequest)
 
 # Shown under `kvmiss compare --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
-input:    two files, each one `kvmiss hash` input object (see `kvmiss hash --help`): {"algo",
+input:    two files ('-': stdin for one), each one `kvmiss hash` input object (see `kvmiss hash --help`): {"algo",
           "block_size", "token_ids", "seed", "cache_salt", "lora", "mm", ...}; both must name the same
           engine settings (algo, block_size, seed, extra_keys_format, lookahead_tokens)
 results:  identical_chain, candidate_is_prefix, reference_is_prefix, shorter_than_one_block, diverged
@@ -44,8 +44,8 @@ example:  KEY=$(openssl rand -hex 16) kvmiss compare ref.json cand.json --digest
 """
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("reference", help="reference prompt (kvmiss hash input JSON)")
-    parser.add_argument("candidate", help="candidate prompt (kvmiss hash input JSON)")
+    parser.add_argument("reference", help="reference prompt (kvmiss hash input JSON; '-': stdin)")
+    parser.add_argument("candidate", help="candidate prompt (kvmiss hash input JSON; '-': stdin)")
     parser.add_argument("--expect-shared-tokens", type=int, default=None,
                         help="exit 1 if the prompts share fewer cacheable tokens than this")
     parser.add_argument("--digest-key-env", help="environment variable holding the digest secret")
@@ -55,8 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load(path: str, role: str) -> HashRequest:
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        if path == "-":
+            raw = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
         if not raw.strip():
             raise ValueError(f"{role} {path}: the file is empty: expected one `kvmiss hash` input object")
         return _decoder.decode(raw)
@@ -68,6 +71,8 @@ def _load(path: str, role: str) -> HashRequest:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.reference == args.candidate == "-":
+            raise ValueError("only one of the two prompts can come from stdin ('-')")
         reference = _load(args.reference, "reference")
         candidate = _load(args.candidate, "candidate")
         key = (load_digest_key(None, args.digest_key_env) if args.digest_key_env

@@ -4,6 +4,10 @@ Input, one JSON object per line: ``{"frames": ["<base64>", ...], "socket": "sub"
 (``socket`` optional; see `parse_any` for how it is guessed). Output, one line per input
 line, in order: a ``live`` / ``replay`` / ``replay_end`` message or ``{"kind": "error",
 "error": "..."}``. A bad line never stops the run; the exit status is 1 if any line failed.
+
+``--recording FILE`` reads a recording instead (`kvmiss collect --record`, `kvmiss demo`'s
+events.rec; collectors/recording.py): one line per recorded message, with the time kvmiss
+received it, the worker, the socket's role, and the decoded batch.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import IO, Any
 import msgspec
 
 from kvmiss.collectors.frames import BatchMessage, FrameError, ReplayEnd, parse_any
+from kvmiss.collectors.recording import MAGIC, ReadStats, RecordingError, read_recording
 from kvmiss.schemas.events import WireError, event_to_builtins
 
 
@@ -32,12 +37,17 @@ _encoder = msgspec.json.Encoder()
 # Shown under `kvmiss decode --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
 input:    stdin, one JSON object per line: {"frames": ["<base64 frame>", ...], "socket": "sub"|"dealer"}
-          ("socket" optional), as `kvmiss collect --record` files and tests/data/engines/*.jsonl hold them
-          (live: topic, 8-byte seq, msgpack batch; the example is one BlockRemoved at seq 7)
+          ("socket" optional): ZeroMQ messages you captured yourself, as tests/data/engines/*.jsonl hold
+          them (live: topic, 8-byte seq, msgpack batch; the example is one BlockRemoved at seq 7);
+          or --recording FILE: a kvmiss recording (`kvmiss collect --record`, kvmiss demo's events.rec),
+          one JSON line out per message: time, worker, role, kind, seq, events
 example:  echo '{"frames": ["", "AAAAAAAAAAc=", "k8tB2kyPKAAAAJGTrEJsb2NrUmVtb3ZlZJHOB1vNFaNHUFXA"]}' | kvmiss decode
+          kvmiss decode --recording kvmiss-demo-out/events.rec | head
 """
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recording", metavar="FILE",
+                        help="read a kvmiss recording (kvmiss collect --record) instead of JSON lines on stdin")
     parser.add_argument(
         "--raw",
         action="store_true",
@@ -57,7 +67,12 @@ def decode_line(line: bytes, *, include_raw: bool = False) -> dict[str, Any]:
         frames = [base64.b64decode(f, validate=True) for f in item.frames]
     except (binascii.Error, ValueError):
         return {"kind": "error", "error": "a frame is not valid base64"}
-    message = parse_any(frames, item.socket)
+    return decode_frames(frames, item.socket, include_raw=include_raw)
+
+
+def decode_frames(frames: list[bytes], socket: str | None, *, include_raw: bool = False) -> dict[str, Any]:
+    """One multipart message as the output object (never raises on bad input)."""
+    message = parse_any(frames, socket)
     if isinstance(message, ReplayEnd):
         return {"kind": "replay_end"}
     if isinstance(message, FrameError):
@@ -78,13 +93,49 @@ def decode_line(line: bytes, *, include_raw: bool = False) -> dict[str, Any]:
     }
 
 
+def decode_recorded(message, *, include_raw: bool = False) -> dict[str, Any]:
+    """One recorded message as a JSON object: when kvmiss received it, from which worker and
+    socket, and what it said. Token ids and extra keys stay out unless ``include_raw``."""
+    head = {"time": message.recv_ts, "worker": message.worker, "role": message.socket}
+    if message.request_id is not None:
+        head["request_id"] = message.request_id  # the replay request a dealer reply answers
+    if message.socket in ("sub", "dealer"):
+        return {**head, **decode_frames(message.frames, message.socket, include_raw=include_raw)}
+    # "monitor" (a connection fact) and "tick" (a timer came due) carry one short ASCII word.
+    words = [f.decode("ascii", "replace") for f in message.frames]
+    return {**head, "kind": message.socket, "note": " ".join(words)}
+
+
+def run_recording(path: str, stdout: IO[bytes], *, include_raw: bool) -> int:
+    stats = ReadStats()
+    failed = 0
+    try:
+        for message in read_recording(path, stats):
+            out = decode_recorded(message, include_raw=include_raw)
+            failed += out["kind"] == "error"
+            stdout.write(_encoder.encode(out) + b"\n")
+    except (RecordingError, OSError) as exc:
+        sys.stderr.write(f"kvmiss decode: --recording: {exc}\n")
+        return 2
+    stdout.flush()
+    if stats.torn_tail:
+        sys.stderr.write(f"kvmiss decode: {path}: torn last record at byte {stats.torn_offset} skipped "
+                         f"({stats.records} records read)\n")
+    return 1 if failed else 0
+
+
 def run(args: argparse.Namespace, stdin: IO[bytes] | None = None, stdout: IO[bytes] | None = None) -> int:
-    stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
+    if getattr(args, "recording", None):
+        return run_recording(args.recording, stdout, include_raw=args.raw)
+    stdin = stdin or sys.stdin.buffer
     failed = read = 0
     for line in stdin:
         if not line.strip():
             continue
+        if read == 0 and line == MAGIC:  # a whole recording piped in: say what reads it
+            sys.stderr.write("kvmiss decode: stdin is a kvmiss recording: use kvmiss decode --recording FILE\n")
+            return 2
         read += 1
         out = decode_line(line, include_raw=args.raw)
         failed += out["kind"] == "error"

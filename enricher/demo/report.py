@@ -13,6 +13,7 @@ from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.demo.engine import SimRequest
 from kvmiss.enricher.demo.truth import Agreement, judge, truth_label
 from kvmiss.enricher.report.data import LABELS, Row, Totals
+from kvmiss.enricher.report.streams import stream_health
 from kvmiss.schemas.attribution import LABEL_OWNER, Label
 
 UNKNOWN_BUDGET = 0.05  # share of misses allowed to be unknown_* (MetricsConfig default)
@@ -171,21 +172,3 @@ class DemoReport:
                        f"{summary['request_records_file']})")
         out.append(f"report: {summary['report_path']}")
         return "\n".join(out)
-
-
-def stream_health(stream: WorkerStream) -> dict[str, Any]:
-    h = stream.health
-    return {
-        "batches_applied": h.batches_applied,
-        "batches_replayed": h.batches_replayed,
-        "gaps_detected": h.gaps_detected,
-        "replays_requested": h.replays_requested,
-        "replays_recovered": h.replays_recovered,
-        "replays_failed": h.replays_failed,
-        "unrecoverable_gaps": sum(h.unrecoverable_gaps.values()),
-        "lost_batches": sum(h.lost_batches.values()),
-        "epoch_changes": h.epoch_changes,
-        "identity_unverified": h.identity_unverified,
-        "quarantine_s": round(h.quarantine_s, 3),
-        "quarantined": stream.quarantined,
-    }

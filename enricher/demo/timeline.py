@@ -10,27 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvmiss.collectors.continuity import EpochUncertain, Hole, NewEpoch, Quarantine, Release
 from kvmiss.enricher.demo.faults import FaultRunner
 from kvmiss.enricher.demo.host import Speculation, StreamLog
-
-KINDS = {Hole: "hole", Quarantine: "quarantine", Release: "release", NewEpoch: "new_epoch",
-         EpochUncertain: "epoch_uncertain"}
-
-
-def describe(action) -> str:
-    if isinstance(action, Hole):
-        detail = f": {action.detail}" if action.detail else ""
-        return f"hole seq {action.from_seq}..{action.to_seq} ({action.reason.value}{detail})"
-    if isinstance(action, Quarantine):
-        return f"quarantined from seq {action.from_seq}"
-    if isinstance(action, Release):
-        return f"released at seq {action.seq} ({action.cause.value})"
-    if isinstance(action, NewEpoch):
-        return f"new epoch {action.epoch} ({action.cause.value})"
-    if isinstance(action, EpochUncertain):
-        return f"epoch {action.epoch} uncertain ({action.reason.value})"
-    return type(action).__name__
+from kvmiss.enricher.report.streams import KINDS, describe
 
 
 class StreamNarrator:

@@ -71,6 +71,8 @@ def _bucket(span: float) -> float:
     return 3600 * math.ceil(span / 3600 / 45)
 
 
+# Only `kvmiss demo` injects faults (its context lists them); a user's own data has none.
+_FAULT_NOTE = " Dashed red lines: the faults the demo injected."
 FAULT_NAMES = {"lag_on": "lag", "drop": "drop (replayed)", "hole": "hole", "crash": "crash"}
 
 
@@ -123,8 +125,8 @@ def labels_over_time(rows: list[Row], context: dict[str, Any]) -> Chart | None:
                bbox_to_anchor=(0.5, 1.0), handlelength=1.2, columnspacing=1.2)
     return Chart("labels_over_time.png", "Misses and missed tokens by label over time",
                  "Each bar is one time bucket: the grey backdrop is every request, the coloured "
-                 "stack the misses by cause (top) and the prefill they cost (bottom); dashed red "
-                 "lines mark injected faults.", _png(fig))
+                 "stack the misses by cause (top) and the prefill they cost (bottom)."
+                 + _FAULT_NOTE * bool(context.get("faults")), _png(fig))
 
 
 def stream_health(rows: list[Row], context: dict[str, Any]) -> Chart | None:
@@ -205,13 +207,14 @@ def stream_health(rows: list[Row], context: dict[str, Any]) -> Chart | None:
                    "it arrived late, orange when replay recovered it), holes replay could not "
                    "fill (red X), quarantine (red band) and restarts (black bar); the dots above a "
                    "lane are unknown verdicts for requests routed to that worker, at their lookup "
-                   "times. Dashed red lines: injected faults.")
+                   "times." + _FAULT_NOTE * bool(context.get("faults")))
     title = "Stream health per worker"
     if not timeline:
         title = "Verdicts per worker over time"
-        explanation = ("No stream data in this input (kvmiss demo's report_context.json adds it "
-                       "via --context): each lane shows every request routed to that worker, "
-                       "coloured by label, with the unknown verdicts marked above it.")
+        explanation = ("No stream data in this input (kvmiss report --recording FILE adds it from a "
+                       "`kvmiss collect --record` recording of the same period): each lane shows every "
+                       "request routed to that worker, coloured by label, with the unknown verdicts "
+                       "marked above it.")
     return Chart("stream_health.png", title, explanation, _png(fig))
 
 

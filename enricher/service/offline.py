@@ -117,8 +117,8 @@ class Summary:
 
 def attribute_requests(index: ResidencyIndex, requests: Iterable[RequestFacts | BadRequestLine],
                        out: IO[bytes], *, digest_key: DigestKey | None = None,
-                       errors: IO[str] | None = None) -> Summary:
-    attributor = Attributor(index, digest_key)
+                       errors: IO[str] | None = None, aged_out_as_recent_match: bool = False) -> Summary:
+    attributor = Attributor(index, digest_key, aged_out_as_recent_match=aged_out_as_recent_match)
     encoder = msgspec.json.Encoder()
     summary = Summary()
     for item in requests:

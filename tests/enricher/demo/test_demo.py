@@ -419,6 +419,18 @@ def test_the_demo_runs_the_real_pipeline_with_no_wrong_verdict(tmp_path):
                 "ground_truth"):
         assert (tmp_path / f"{png}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert time.monotonic() - started < 120
+    # The stream lanes a user gets from the recording alone (`kvmiss report --recording`) are
+    # the ones the demo noted live: the same health counters, batches and facts per worker.
+    from kvmiss.enricher.report.streams import context_from_recording
+
+    live = json.loads((tmp_path / "report_context.json").read_text())
+    played = context_from_recording(str(tmp_path / "events.rec"))
+    assert set(played["streams"]) == set(live["streams"])
+    for worker, health in live["streams"].items():
+        assert played["streams"][worker] == {**health, "quarantine_s": pytest.approx(health["quarantine_s"], abs=0.05)}
+        lane = live["timeline"].get(worker, {"applied": [], "facts": []})
+        assert len(played["timeline"][worker]["applied"]) == len(lane["applied"])
+        assert [f[1:] for f in played["timeline"][worker]["facts"]] == [f[1:] for f in lane["facts"]]
 
 
 def test_the_demos_spans_become_request_records_that_kvmiss_whatif_replays(tmp_path, monkeypatch):
