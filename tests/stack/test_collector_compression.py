@@ -6,7 +6,7 @@
   it from the first batch, not from missing verdicts.
 * ``otlp_grpc``: gzip (the default) and none deliver; zstd and snappy are refused by grpc's
   own core before kvmiss sees the call ("Error parsing 'grpc-encoding' metadata", INTERNAL),
-  which the README states: for zstd, use OTLP/HTTP.
+  which docs/COLLECTOR.md states: for zstd, use OTLP/HTTP.
 
 Spans enter the Collector from the OpenTelemetry SDK's OTLP/HTTP exporter, as a router's do.
 """

@@ -3,8 +3,8 @@ a real Collector, two ``kvmiss serve`` replicas, Jaeger v2), and what each loses
 duplicates, counted span by span in Jaeger's raw API against what the router sent. Only miss
 requests are sent, so the tail-sampling policy keeps every trace and all of it is due.
 
-Each case prints one ``fault:`` line (the figures in the README); its assertions are what the
-README claims. About a minute each, so opt-in:
+Each case prints one ``fault:`` line (the figures in docs/COLLECTOR.md); its assertions are what
+that page claims. About a minute each, so opt-in:
     KVMISS_STACK_FAULTS=1 .venv/bin/python -m pytest -q -s tests/stack/test_faults.py
 """
 

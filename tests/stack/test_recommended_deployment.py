@@ -175,7 +175,7 @@ def run(tmp_path_factory):
         expected = increases(before, after, first_samples(prometheus, born_late(before, after), at))
         evicted = deployment.jaeger.get("/api/traces", service=ROUTER_SERVICE, limit="1", lookback="1h",
                                         tags=json.dumps({"kvmiss.label": "evicted"}))
-        if os.environ.get("KVMISS_STACK_CAPTURE"):  # the answers the README and queries.md quote
+        if os.environ.get("KVMISS_STACK_CAPTURE"):  # the answers docs/COLLECTOR.md and queries.md quote
             out = Path(os.environ["KVMISS_STACK_CAPTURE"])
             out.mkdir(parents=True, exist_ok=True)
             (out / "jaeger-evicted.json").write_text(json.dumps(evicted, indent=1))
@@ -271,7 +271,7 @@ def test_trace_id_balancing_spreads_the_requests_over_both_replicas(run):
     assert counts[-1] <= 2 * counts[0], judged
 
 
-README = ROOT / "README.md"
+COLLECTOR_DOC = ROOT / "docs" / "COLLECTOR.md"
 ROUTER_INPUTS = {"kvmiss.route.worker", "kvmiss.route.policy", "kvmiss.lookup_time_unix_nano", "kvmiss.block_hashes"}
 
 
@@ -280,7 +280,7 @@ def quoted_json(path) -> list[str]:
 
 
 def test_the_quoted_jaeger_and_promql_answers_have_the_live_answers_shape(run):
-    """README and queries.md quote a Jaeger answer and a PromQL answer from a run of this
+    """docs/COLLECTOR.md and queries.md quote a Jaeger answer and a PromQL answer from a run of this
     deployment; a live run must carry the same verdict tags and the same series labels."""
     (trace,) = run["evicted"]["data"]
     (route,) = [s for s in trace["spans"] if s["operationName"] == "route"]
@@ -290,7 +290,7 @@ def test_the_quoted_jaeger_and_promql_answers_have_the_live_answers_shape(run):
     live_labels = {frozenset(r["metric"]) for r in promql}
     live_values = {r["metric"]["label"] for r in promql}
     jaeger_quotes = promql_quotes = 0
-    for path in (QUERIES, README):
+    for path in (QUERIES, COLLECTOR_DOC):
         for block in quoted_json(path):
             if '"operationName": "route"' in block:
                 jaeger_quotes += 1
