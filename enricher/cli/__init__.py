@@ -9,7 +9,7 @@ import sys
 
 # name -> (module under kvmiss.enricher.cli, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "decode": ("decode_cmd", "decode captured KV-event frames (base64 frames as JSON lines on stdin)"),
+    "decode": ("decode_cmd", "decode KV-event messages: base64 frames as JSON lines on stdin, or a recording (--recording)"),
     "hash": ("hash_cmd", "vLLM-compatible block hashes for one request (a JSON object on stdin)"),
     "attribute": ("attribute_cmd", "offline attribution: a KV-event recording + request records"),
     "serve": ("serve_cmd", "run the enricher: KV-event collectors, residency index, OTLP in and out, metrics"),
