@@ -86,10 +86,14 @@ def file_problem(path: str) -> str | None:
 def directory_problem(path: str, *, creating: str | None = None) -> str | None:
     what = f" (to create {creating} in it)" if creating else ""
     if not os.path.exists(path):
-        parent = os.path.dirname(os.path.abspath(path))
-        if creating is None and os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
-            return None  # kvmiss creates the directory itself
-        return f"directory {path} does not exist{what}"
+        if creating is not None:
+            return f"directory {path} does not exist{what}"
+        ancestor = os.path.dirname(os.path.abspath(path))  # kvmiss creates the directory and its parents
+        while not os.path.exists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if os.path.isdir(ancestor) and os.access(ancestor, os.W_OK | os.X_OK):
+            return None
+        return f"{path} cannot be created: {ancestor} is not a writable directory"
     if not os.path.isdir(path):
         return f"{path} is not a directory"
     if not os.access(path, os.W_OK | os.X_OK):
