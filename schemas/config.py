@@ -439,11 +439,16 @@ def listen_addresses(config: "Config") -> dict[str, str]:
 
 def _check(config: Config, source: str) -> None:
     check_workers(config.workers, source)
+    bound: dict[int, tuple[str, str]] = {}  # port -> (key, host) of the listeners so far
     for key, address in listen_addresses(config).items():
         try:
-            parse_listen_address(address)
+            host, port = parse_listen_address(address)
         except ValueError as exc:
             raise ConfigError(f"{source}: {key}: {exc}") from None
+        other = bound.get(port) if port else None
+        if other is not None and (other[1] == host or {other[1], host} & {"0.0.0.0", "::"}):
+            raise ConfigError(f"{source}: {key}: {address} is also {other[0]}'s address: each listener needs its own port")
+        bound[port] = (key, host)
     if config.export.discard and (config.export.endpoint or config.export.file):
         raise ConfigError(f"{source}: export.discard = true drops every span: it cannot go with "
                           "export.endpoint or export.file")

@@ -23,7 +23,7 @@ from kvmiss.schemas.config import ConfigError, load_config
 HELP_INPUT = """\
 input:    --events FILE: a recording from `kvmiss collect --record`; --requests FILE ('-': stdin):
           request records, one JSON object per line: {"prompt_tokens", "cached_tokens", "block_size",
-          "worker", "lookup_time", "block_hashes", ...} (README, "Request records")
+          "worker", "lookup_time", "block_hashes", ...} (docs/COMMANDS.md, "Request records")
 example:  kvmiss attribute --events rec.kvrec --requests requests.jsonl --out attributions.jsonl
 """
 

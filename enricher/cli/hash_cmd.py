@@ -48,7 +48,7 @@ HELP_INPUT = """\
 input:    stdin, one JSON object: {"algo": "sha256_cbor", "block_size": 16, "token_ids": [...],
           "seed": "0", "cache_salt": ..., "lora": {"name", "path"}, "mm": [{"id", "offset", "length"}],
           "prompt_embeds_block_digests": [...], "extra_keys_format": "tagged", "lookahead_tokens": 0}
-          (only algo, block_size and token_ids are required; README, "kvmiss hash input")
+          (only algo, block_size and token_ids are required; docs/COMMANDS.md, "kvmiss hash input")
 output:   {"none_hash_hex", "block_hashes_hex", "block_hashes"} (uint64, as engines publish them)
 example:  echo '{"algo": "sha256_cbor", "seed": "0", "block_size": 2, "token_ids": [1, 2, 3, 4]}' | kvmiss hash
 """

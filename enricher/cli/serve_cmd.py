@@ -1,4 +1,4 @@
-"""`kvmiss serve --config kvmiss.toml`: the enricher service (see README, "Configuration").
+"""`kvmiss serve --config kvmiss.toml`: the enricher service (every key: docs/CONFIGURATION.md).
 
 Flags override the file: ``--otlp-grpc``, ``--otlp-http``, ``--export``, ``--metrics``.
 Runs until SIGINT or SIGTERM, then stops intake, judges what it holds, flushes the

@@ -87,6 +87,8 @@ STATIC = [
     ("request records in a missing directory",
      base(export='endpoint = "http://127.0.0.1:4319"\nrequest_records = "/nonexistent-dir/r.jsonl"'),
      "export.request_records", "does not exist"),
+    ("two listeners on one port", base(otlp='grpc = "127.0.0.1:24317"\nhttp = ""', metrics='listen = "127.0.0.1:24317"'),
+     "metrics.listen", "also otlp.grpc's address"),
     ("readiness share above 1", base(metrics='listen = "127.0.0.1:0"\nready_min_connected_share = 1.5'),
      "metrics.ready_min_connected_share", "between 0 and 1"),
 ]

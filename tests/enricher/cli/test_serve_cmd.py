@@ -17,7 +17,7 @@ def test_json_logs_are_one_object_per_line_and_sigterm_stops_cleanly(tmp_path):
     config = tmp_path / "k.toml"
     config.write_text(f'[otlp]\ngrpc = "127.0.0.1:{free_port()}"\nhttp = "127.0.0.1:{free_port()}"\n'
                       f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n'
-                      '[privacy]\ndigest_key = "serve-cmd-test-secret-01"\n')
+                      '[privacy]\ndigest_key = "serve-cmd-test-secret-01"\n[export]\ndiscard = true\n')
     proc = subprocess.Popen([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config),
                              "--log-format", "json"], stderr=subprocess.PIPE, text=True)
     lines = []
@@ -49,23 +49,27 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path):
 def _check(config_text: str, tmp_path, **env) -> subprocess.CompletedProcess:
     import os
 
+    # --check binds every listen port for a moment: the defaults (4317, 4318, 9464) may be held
+    # on a test machine, so a config that names none listens on any free port; and a config
+    # needs a destination for its spans.
+    for section, default in (("[otlp]", '[otlp]\ngrpc = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n'),
+                             ("[metrics]", '[metrics]\nlisten = "127.0.0.1:0"\n'),
+                             ("[export]", "[export]\ndiscard = true\n")):
+        if section not in config_text:
+            config_text = default + config_text
     config = tmp_path / "k.toml"
     config.write_text(config_text)
     return subprocess.run([sys.executable, "-m", "kvmiss.enricher.cli", "serve", "--config", str(config), "--check"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, **env})
 
 
-def test_check_validates_without_opening_a_socket_and_never_prints_the_key(tmp_path):
-    import socket
-
-    port = free_port()
-    with socket.socket() as held:  # the port is taken: a real start would fail, --check must not care
-        held.bind(("127.0.0.1", port))
-        done = _check(f'[otlp]\nhttp = "127.0.0.1:{port}"\n[export]\nendpoint = "grpc://127.0.0.1:4319"\n'
-                      '[privacy]\ndigest_key_env = "CHECK_TEST_KEY"\n'
-                      '[[workers]]\nid = "w1"\nendpoint = "tcp://10.0.0.7:5557"\n'
-                      'replay_endpoint = "tcp://10.0.0.7:5558"\ndp_rank = 2\n',
-                      tmp_path, CHECK_TEST_KEY="check-test-secret-0123456789")
+def test_check_prints_what_would_run_and_never_the_key(tmp_path):
+    port = free_port()  # (a port another process holds fails --check: tests/enricher/cli/test_misconfiguration.py)
+    done = _check(f'[otlp]\ngrpc = "127.0.0.1:0"\nhttp = "127.0.0.1:{port}"\n[export]\nendpoint = "grpc://127.0.0.1:4319"\n'
+                  '[privacy]\ndigest_key_env = "CHECK_TEST_KEY"\n'
+                  '[[workers]]\nid = "w1"\nendpoint = "tcp://10.0.0.7:5557"\n'
+                  'replay_endpoint = "tcp://10.0.0.7:5558"\ndp_rank = 2\n',
+                  tmp_path, CHECK_TEST_KEY="check-test-secret-0123456789")
     assert done.returncode == 0, done.stderr
     assert "configuration OK" in done.stdout
     assert "w1: tcp://10.0.0.7:5559 (replay tcp://10.0.0.7:5560)" in done.stdout  # ports offset by rank
@@ -85,7 +89,7 @@ def test_check_fails_on_what_start_up_would_fail_on(tmp_path):
     assert nowhere.returncode == 2 and "export.request_records" in nowhere.stderr
     small = _check('[export]\nrequest_records = "r.jsonl"\nrequest_records_max_bytes = 1000\n', tmp_path)
     assert small.returncode == 2 and "request_records_max_bytes" in small.stderr
-    fine = _check(f'[export]\nrequest_records = "{tmp_path / "r.jsonl"}"\n', tmp_path)
+    fine = _check(f'[export]\ndiscard = true\nrequest_records = "{tmp_path / "r.jsonl"}"\n', tmp_path)
     assert fine.returncode == 0 and f"request records: {tmp_path / 'r.jsonl'} (renamed to .old at 256 MiB)" in fine.stdout
     assert not (tmp_path / "r.jsonl").exists()  # --check opens nothing
 
