@@ -129,7 +129,7 @@ def image() -> str:
         listed = run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}",
                       "--filter", "reference=localhost/kvmiss-test"]).stdout.split()
         for old in set(listed) - {tag}:
-            run(["podman", "image", "rm", "--force", old])
+            run(["podman", "image", "rm", old])  # by tag: an image tagged otherwise too keeps that tag
         run(["podman", "image", "prune", "--force", "--filter", "label=io.kvmiss.stage=build"])
     return tag
 
