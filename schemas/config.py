@@ -20,6 +20,11 @@ import msgspec
 
 from kvmiss.schemas.span_attributes import InputNames
 
+# The engines a worker may name (`WorkerSpec.engine`): each has its adapter in
+# collectors/engines (which checks that both lists agree).
+ENGINES = ("vllm", "sglang")
+
+
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine event stream: (endpoint, dp_rank), with a stable id from the config.
 
@@ -39,6 +44,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # The engine's KV-cache pool in blocks (vLLM's start-up log: "GPU KV cache size" /
     # num_gpu_blocks), for what-if sizing (`kvmiss whatif`); 0: not given.
     pool_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    engine: str = "vllm"  # which engine publishes: one of `ENGINES` (its wire adapter)
 
     def sub_endpoint(self) -> str:
         return offset_endpoint(self.endpoint, self.dp_rank) if self.offset_by_rank else self.endpoint
@@ -405,6 +411,9 @@ def check_workers(workers: list[WorkerSpec], source: str) -> None:
     seen: set[str] = set()
     for i, worker in enumerate(workers):
         check_worker_endpoints(worker, f"{source}: workers[{i}] (id {worker.id!r})")
+        if worker.engine not in ENGINES:
+            raise ConfigError(f"{source}: workers[{i}] (id {worker.id!r}).engine: unknown engine "
+                              f"{worker.engine!r}; engines: {', '.join(ENGINES)}")
         if worker.id in seen:
             raise ConfigError(f"{source}: workers: duplicate id {worker.id!r}", "duplicate_id")
         seen.add(worker.id)

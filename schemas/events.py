@@ -187,11 +187,13 @@ def _is_msgpack_array(raw: msgspec.Raw) -> bool:
     return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes, *, arrays: bool = True) -> EventBatch:
     """Decode one msgpack batch payload of any supported engine version.
 
     Raises `WireError` naming the failing field (``event 2: Expected `int`, got `str` -
-    at `$.block_size```) when the payload is not a valid batch.
+    at `$.block_size```) when the payload is not a valid batch. ``arrays=False`` refuses
+    positional-array events (vLLM < 0.24's form) for engines that never sent them
+    (collectors/engines: which engine sends which form is its adapter's business).
     """
     # RecursionError: msgpack nested deeper than the interpreter's recursion limit (hostile
     # or corrupt input; no engine nests more than a few levels) cannot even be skipped.
@@ -212,6 +214,8 @@ def decode_batch(payload: bytes) -> EventBatch:
     events: list[KVEvent] = []
     for index, raw_event in enumerate(raw.events):
         decoder = _array_event_decoder if _is_msgpack_array(raw_event) else _map_event_decoder
+        if not arrays and decoder is _array_event_decoder:
+            raise WireError(f"event {index}: a positional array (vLLM < 0.24's form); this engine sends maps")
         try:
             events.append(_normalised(decoder.decode(raw_event)))
         except (msgspec.ValidationError, msgspec.DecodeError, WireError) as exc:

@@ -39,6 +39,7 @@ from array import array
 from bisect import bisect_right
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
+from kvmiss.collectors.engines import canonical_medium  # each engine's medium spellings
 from kvmiss.enricher.core.divergence import SiblingRegistry
 from kvmiss.enricher.core.hit_rule import hybrid_hit, window_needed
 from kvmiss.enricher.core.membership import Joined, Membership
@@ -62,27 +63,6 @@ MAX_TIERS = 64
 # How long after a lookup a tail confirmation must have been sent to prove history reached
 # it (schemas/config.py: history.clock_skew_s + history.publish_delay_s).
 TAIL_MARGIN_S = 1.25
-
-# Wire spellings of each medium (vLLM, its connectors, SGLang) -> one canonical tier name.
-_MEDIUM_ALIASES = {
-    None: GPU,
-    "GPU": GPU,
-    "CPU": "CPU",
-    "CPU_PINNED": "CPU",
-    "STORAGE": "STORAGE",
-    "DISK": "STORAGE",
-    "EXTERNAL": "EXTERNAL",
-}
-
-
-def canonical_medium(raw: str | None) -> str:
-    """GPU / CPU / STORAGE / EXTERNAL; unknown spellings pass through upper-cased."""
-    found = _MEDIUM_ALIASES.get(raw)
-    if found is not None:
-        return found
-    upper = raw.upper()  # type: ignore[union-attr]
-    return _MEDIUM_ALIASES.get(upper, upper)
-
 
 class Tier(NamedTuple):
     """Where a residency table lives: a canonical medium and a KV-cache group (a group the
