@@ -33,7 +33,7 @@ for arg in "$@"; do
         --public) mode=public ;;
         --bases) mode=bases ;;
         --refresh-bases) refresh=1 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "build.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done

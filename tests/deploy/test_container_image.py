@@ -195,11 +195,14 @@ def test_inside_it_runs_as_non_root_with_the_compiled_parts_and_no_compiler(cont
     assert writable.stdout.strip() == "1", writable
 
 
-def test_the_shipped_config_needs_the_digest_key_and_then_checks_out(container):
-    check = ["kvmiss", "serve", "--config", "/etc/kvmiss/kvmiss.toml", "--check", "--export", "grpc://collector:4317"]
-    without = in_image(container, *check)
-    assert without.returncode == 2 and "KVMISS_DIGEST_KEY" in without.stderr, without
-    checked = in_image(container, *check, env={"KVMISS_DIGEST_KEY": "container-test-key-0001"})
+def test_the_shipped_config_needs_the_key_and_a_destination_and_then_checks_out(container):
+    check = ["kvmiss", "serve", "--config", "/etc/kvmiss/kvmiss.toml", "--check"]
+    key = {"KVMISS_DIGEST_KEY": "container-test-key-0001"}
+    no_key = in_image(container, *check, "--export", "grpc://collector:4317")
+    assert no_key.returncode == 2 and "KVMISS_DIGEST_KEY" in no_key.stderr, no_key
+    nowhere = in_image(container, *check, env=key)
+    assert nowhere.returncode == 2 and "export" in nowhere.stderr, nowhere
+    checked = in_image(container, *check, "--export", "grpc://collector:4317", env=key)
     assert checked.returncode == 0, checked
     out = checked.stdout
     assert "otlp: grpc 0.0.0.0:4317, http 0.0.0.0:4318" in out and "metrics: 0.0.0.0:9464" in out, out
