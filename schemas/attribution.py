@@ -16,44 +16,10 @@ import enum
 import msgspec
 
 from kvmiss.schemas.fleet import StreamReach
+# Defined with the label table; Verdict names them, and code that has always imported them
+# from here still can.
+from kvmiss.schemas.labels import LABEL_OWNER, Label, Owner  # noqa: F401
 from kvmiss.schemas.prompt import ExtraKeysSpec
-
-
-class Label(str, enum.Enum):
-    """The ten answers. `unknown_*` are first-class: counted and budgeted like the rest."""
-
-    HIT = "hit"
-    LOOKUP_LIMIT = "lookup_limit"
-    TRANSFER_FAILURE = "transfer_failure"
-    WINDOW_LIMIT = "window_limit"
-    ROUTING_MISS = "routing_miss"
-    RESIDENT_MISS = "resident_miss"
-    EVICTED = "evicted"
-    NO_MATCH = "no_match"
-    UNKNOWN_HISTORY = "unknown_history"
-    UNKNOWN_EPOCH = "unknown_epoch"
-
-
-class Owner(str, enum.Enum):
-    NONE = "none"
-    APPLICATION = "application"
-    PLATFORM = "platform"
-    ROUTING = "routing"
-    TELEMETRY = "telemetry"
-
-
-LABEL_OWNER: dict[Label, Owner] = {
-    Label.HIT: Owner.NONE,
-    Label.LOOKUP_LIMIT: Owner.NONE,
-    Label.TRANSFER_FAILURE: Owner.PLATFORM,
-    Label.WINDOW_LIMIT: Owner.NONE,
-    Label.ROUTING_MISS: Owner.ROUTING,
-    Label.RESIDENT_MISS: Owner.PLATFORM,
-    Label.EVICTED: Owner.PLATFORM,
-    Label.NO_MATCH: Owner.APPLICATION,
-    Label.UNKNOWN_HISTORY: Owner.TELEMETRY,
-    Label.UNKNOWN_EPOCH: Owner.TELEMETRY,
-}
 
 
 class History(str, enum.Enum):

@@ -27,6 +27,7 @@ from kvmiss.schemas.attribution import (
     RequestFacts,
     Verdict,
 )
+from kvmiss.schemas.labels import SETTLED_AT_ANY_TIME
 
 
 # Engine steps (of all workers) a lookup known only within a window may fall in, beyond which
@@ -70,7 +71,7 @@ class Attributor:
         self.note_re_announcements(facts)
         verdict = self._attribute_at(facts)
         t, latest = facts.lookup_time, facts.lookup_time_latest
-        if (latest is None or t is None or latest <= t or verdict.label in _SETTLED_AT_ANY_TIME
+        if (latest is None or t is None or latest <= t or verdict.label in SETTLED_AT_ANY_TIME
                 or not missed_reusable(facts.prompt_tokens, facts.cached_tokens, facts.block_size)):
             return verdict
         return self._across_window(facts, verdict)
@@ -179,7 +180,3 @@ class Attributor:
             cached_tokens=facts.cached_tokens, verdict=self.attribute(facts),
         )
 
-
-# Labels a lookup time cannot change: the request's own facts prove them, or nothing is known.
-_SETTLED_AT_ANY_TIME = frozenset({Label.HIT, Label.LOOKUP_LIMIT, Label.TRANSFER_FAILURE, Label.UNKNOWN_HISTORY,
-                                  Label.UNKNOWN_EPOCH})

@@ -41,7 +41,6 @@ from typing import Any
 
 from kvmiss.schemas.fleet import Reach, StreamReach
 from kvmiss.schemas.attribution import (
-    LABEL_OWNER,
     ClockOffset,
     Evidence,
     History,
@@ -53,6 +52,7 @@ from kvmiss.schemas.attribution import (
     Verdict,
     WindowStart,
 )
+from kvmiss.schemas.labels import LABELS
 
 REASON_MAX_CHARS = 200
 
@@ -279,10 +279,10 @@ def unsettled_lookup(verdict: Verdict, other: Label | None, window_s: float, *, 
 
 
 def _verdict(label: Label, reason: str, **fields: Any) -> Verdict:
-    """The only constructor: owner always from LABEL_OWNER, reason always within the bound."""
+    """The only constructor: owner always from the label table, reason always within the bound."""
     if len(reason) > REASON_MAX_CHARS:
         reason = reason[: REASON_MAX_CHARS - 1] + "…"
-    return Verdict(label=label, owner=LABEL_OWNER[label], reason=reason, **fields)
+    return Verdict(label=label, owner=LABELS[label].owner, reason=reason, **fields)
 
 
 def _invalid_facts(facts: RequestFacts) -> str | None:

@@ -14,7 +14,8 @@ from kvmiss.enricher.demo.engine import SimRequest
 from kvmiss.enricher.demo.truth import Agreement, judge, truth_label
 from kvmiss.enricher.report.data import LABELS, Row, Totals
 from kvmiss.enricher.report.streams import stream_health
-from kvmiss.schemas.attribution import LABEL_OWNER, Label
+from kvmiss.schemas.attribution import Label
+from kvmiss.schemas.labels import owner_of
 
 UNKNOWN_BUDGET = 0.05  # share of misses allowed to be unknown_* (MetricsConfig default)
 
@@ -118,7 +119,7 @@ class DemoReport:
             f"{'label':<18}{'owner':<13}{'requests':>9}{'missed tokens':>15}",
         ]
         for label in totals.labels():
-            out.append(f"{label:<18}{LABEL_OWNER[Label(label)].value:<13}"
+            out.append(f"{label:<18}{owner_of(label).value:<13}"
                        f"{totals.by_label[label]:>9}{totals.tokens_by_label[label]:>15}")
         owners = ", ".join(f"{o} {n}" for o, n in summary["by_owner"].items())
         share = summary["unknown_share"]

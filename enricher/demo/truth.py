@@ -17,9 +17,8 @@ import msgspec
 from kvmiss.enricher.core.hashing import lookup_limit_tokens
 from kvmiss.enricher.core.index import GPU, ResidencyIndex
 from kvmiss.schemas.attribution import Label
+from kvmiss.schemas.labels import UNKNOWN_LABELS
 from kvmiss.schemas.stream import RunStart
-
-UNKNOWN_LABELS = frozenset({Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH})
 
 
 class LookupTruth(msgspec.Struct, frozen=True, kw_only=True):

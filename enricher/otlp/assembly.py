@@ -29,7 +29,8 @@ import msgspec
 from kvmiss.enricher.core.hashing import BlockHasher, HashingError, external_hash, extras_from_spec
 from kvmiss.enricher.core.verdict import needs_index
 from kvmiss.enricher.otlp.spans import SpanFacts
-from kvmiss.schemas.attribution import LABEL_OWNER, Label, RequestFacts, Verdict
+from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
+from kvmiss.schemas.labels import LABELS
 from kvmiss.schemas.prompt import ExtraKeysSpec
 
 
@@ -313,7 +314,7 @@ class MissingFacts(msgspec.Struct, frozen=True):
 
 def incomplete_verdict(missing: MissingFacts) -> Verdict:
     """The honest unknown for a request whose facts never completed (names only)."""
-    return Verdict(label=Label.UNKNOWN_HISTORY, owner=LABEL_OWNER[Label.UNKNOWN_HISTORY],
+    return Verdict(label=Label.UNKNOWN_HISTORY, owner=LABELS[Label.UNKNOWN_HISTORY].owner,
                    reason=f"request facts incomplete: no {', '.join(missing.missing)} on its spans")
 
 

@@ -2,8 +2,8 @@
 
 Each function takes rows (and the optional context) and returns a `Chart` -- file name,
 title, one explanatory line, PNG bytes -- or None when its input has nothing to show.
-Every chart uses the same colour per label (`LABEL_COLORS`). Times are seconds since the
-report's origin ``t0`` (the earliest lookup or stream fact).
+Every chart uses the same colour per label (its `colour` in schemas/labels.py). Times are
+seconds since the report's origin ``t0`` (the earliest lookup or stream fact).
 """
 
 from __future__ import annotations
@@ -21,12 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.patches import Patch  # noqa: E402
 
 from kvmiss.enricher.report.data import LABELS, NOT_MISSES, UNKNOWN, Row  # noqa: E402
+from kvmiss.schemas.labels import info  # noqa: E402
 
-LABEL_COLORS = {
-    "hit": "#43a047", "lookup_limit": "#a5d6a7", "transfer_failure": "#8d4a00",
-    "window_limit": "#c5e1a5", "routing_miss": "#7e57c2", "resident_miss": "#d32f2f", "evicted": "#fb8c00",
-    "no_match": "#1e88e5", "unknown_history": "#9e9e9e", "unknown_epoch": "#546e7a",
-}
 INK, MUTED, GRID = "#263238", "#607d8b", "#eceff1"
 DPI = 130
 
@@ -113,14 +109,14 @@ def labels_over_time(rows: list[Row], context: dict[str, Any]) -> Chart | None:
         base = [0] * buckets
         for label in misses:
             ax.bar(xs, series[label], width=size * 0.92, align="edge", bottom=base,
-                   color=LABEL_COLORS[label], label=label, linewidth=0)
+                   color=info(label).colour, label=label, linewidth=0)
             base = [b + v for b, v in zip(base, series[label])]
         _fault_marks(ax, context, t0, text=ax is top)
     top.set_ylabel(f"requests per {size:g} s")
     bottom.set_ylabel(f"missed tokens per {size:g} s")
     bottom.set_xlabel("seconds since the first request")
     handles = [Patch(color="#eceff1", label="all requests")] + [
-        Patch(color=LABEL_COLORS[label], label=label) for label in misses]
+        Patch(color=info(label).colour, label=label) for label in misses]
     top.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8,
                bbox_to_anchor=(0.5, 1.0), handlelength=1.2, columnspacing=1.2)
     return Chart("labels_over_time.png", "Misses and missed tokens by label over time",
@@ -174,12 +170,12 @@ def stream_health(rows: list[Row], context: dict[str, Any]) -> Chart | None:
                 xs = [r.lookup_time - t0 for r in rows
                       if r.worker == worker and r.label == label and r.lookup_time]
                 if xs:
-                    ax.vlines(xs, y - 0.25, y + 0.25, color=LABEL_COLORS[label], lw=0.9)
+                    ax.vlines(xs, y - 0.25, y + 0.25, color=info(label).colour, lw=0.9)
         for label in sorted(UNKNOWN):
             xs = [r.lookup_time - t0 for r in rows
                   if r.worker == worker and r.label == label and r.lookup_time]
             if xs:
-                ax.plot(xs, [y - 0.36] * len(xs), "o", ms=3.5, color=LABEL_COLORS[label])
+                ax.plot(xs, [y - 0.36] * len(xs), "o", ms=3.5, color=info(label).colour)
     ax.set_xlim(-0.02 * end, end * 1.02 + 0.01)
     ax.set_yticks(range(len(workers)), workers)
     ax.set_ylim(-0.7, len(workers) - 0.3)
@@ -193,12 +189,12 @@ def stream_health(rows: list[Row], context: dict[str, Any]) -> Chart | None:
               Patch(color="#e53935", alpha=0.3, label="quarantined"),
               plt.Line2D([], [], color=INK, lw=2.2, label="new epoch (restart)"),
               plt.Line2D([], [], marker="D", color="#6a1b9a", ls="", label="epoch uncertain"),
-              plt.Line2D([], [], marker="o", color=LABEL_COLORS["unknown_history"], ls="",
+              plt.Line2D([], [], marker="o", color=info("unknown_history").colour, ls="",
                          label="unknown_history verdict"),
-              plt.Line2D([], [], marker="o", color=LABEL_COLORS["unknown_epoch"], ls="",
+              plt.Line2D([], [], marker="o", color=info("unknown_epoch").colour, ls="",
                          label="unknown_epoch verdict")]
     if not timeline:
-        legend = [Patch(color=LABEL_COLORS[label], label=label) for label in LABELS
+        legend = [Patch(color=info(label).colour, label=label) for label in LABELS
                   if any(r.label == label for r in rows)] + legend[-2:]
     ax.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5, fontsize=8,
               handlelength=1.4)
@@ -262,7 +258,7 @@ def divergence(rows: list[Row]) -> Chart | None:
     if indices:
         step = max(1, math.ceil((max(indices) + 1) / 40))
         left.hist(indices, bins=range(0, max(indices) + step + 1, step),
-                  color=LABEL_COLORS["no_match"], edgecolor="white", linewidth=0.4)
+                  color=info("no_match").colour, edgecolor="white", linewidth=0.4)
         left.set_xlabel("first differing token index in the prompt")
         left.set_ylabel("no_match requests")
     else:
@@ -286,7 +282,7 @@ def divergence(rows: list[Row]) -> Chart | None:
             values = [sum(1 for r in rows if r.first_miss_digest == d and r.label == label)
                       for d in names]
             if any(values):
-                right.barh(names, values, left=base, color=LABEL_COLORS[label], label=label)
+                right.barh(names, values, left=base, color=info(label).colour, label=label)
                 base = [b + v for b, v in zip(base, values)]
         right.tick_params(axis="y", labelsize=7)
         right.set_xlabel("misses at this block")

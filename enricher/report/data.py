@@ -19,11 +19,16 @@ from typing import Any, Iterable, Iterator
 
 import msgspec
 
-from kvmiss.schemas.attribution import LABEL_OWNER, AttributionRecord, Label
+from kvmiss.schemas.attribution import AttributionRecord
+from kvmiss.schemas.labels import LABELS as LABEL_TABLE
+from kvmiss.schemas.labels import NOT_MISSES as NOT_MISS_LABELS
+from kvmiss.schemas.labels import UNKNOWN_LABELS, owner_of
 
-UNKNOWN = frozenset({Label.UNKNOWN_HISTORY.value, Label.UNKNOWN_EPOCH.value})
-NOT_MISSES = frozenset({Label.HIT.value, Label.LOOKUP_LIMIT.value})
-LABELS = [label.value for label in Label]
+# Rows carry labels as plain strings, and the report formats them (str() of a member is not
+# its value): the label table's sets as values, and every label in precedence order.
+UNKNOWN = frozenset(label.value for label in UNKNOWN_LABELS)
+NOT_MISSES = frozenset(label.value for label in NOT_MISS_LABELS)
+LABELS = [label.value for label in LABEL_TABLE]
 
 
 class Row(msgspec.Struct, kw_only=True):
@@ -144,7 +149,7 @@ def row_from_span(span: JsonSpan) -> Row | None:
     cached = a.get("gen_ai.usage.cache_read.input_tokens", a.get("kvmiss.cached_tokens"))
     kinds = a.get("kvmiss.extra_key_kinds") or ()
     return Row(
-        label=label, owner=a.get("kvmiss.owner") or LABEL_OWNER[Label(label)].value,
+        label=label, owner=a.get("kvmiss.owner") or owner_of(label).value,
         request_id=a.get("gen_ai.request.id"), trace_id=span.trace_id or None,
         worker=a.get("kvmiss.route.worker"), route_policy=a.get("kvmiss.route.policy"),
         lookup_time=lookup, reason=a.get("kvmiss.reason") or "", history=a.get("kvmiss.history"),

@@ -8,29 +8,11 @@ import html
 from pathlib import Path
 from typing import Any
 
-from kvmiss.enricher.report.charts import LABEL_COLORS, Chart, all_charts, origin
+from kvmiss.enricher.report.charts import Chart, all_charts, origin
 from kvmiss.enricher.report.data import LABELS, NOT_MISSES, Row, Totals
-from kvmiss.schemas.attribution import LABEL_OWNER, Label
+from kvmiss.schemas.labels import info
 
 DEFAULT_BUDGET = 0.05
-WHAT_TO_DO = {
-    "hit": "Nothing: everything reusable was reused.",
-    "lookup_limit": "Nothing: the engine always recomputes the last prompt token "
-                    "(the prompt length is a multiple of the block size).",
-    "transfer_failure": "Repair the KV connector or offload-tier path; a silent recompute hides it.",
-    "window_limit": "Nothing in the prompt or router: the model's sliding-window layers kept no state at "
-                    "that position (vLLM keeps it at the shared-prefix junction it detected, so later "
-                    "requests can hit); a cost to weigh in the choice of model or cache settings.",
-    "routing_miss": "Another worker held the prefix: weigh locality against queue depth in the router.",
-    "resident_miss": "The block was resident and still missed: look for lookup, ownership or "
-                     "event-sync faults (or requests that bypass the cache).",
-    "evicted": "Size the cache from a trace, keep one-hit prompts from crowding it, add a tier, "
-               "or route toward existing state.",
-    "no_match": "Stabilise the prompt: reusable system text and tool schemas first, volatile "
-                "values later; share salts and adapters only where isolation allows.",
-    "unknown_history": "Improve the evidence: replay window, consumer uptime, wait for lagging streams.",
-    "unknown_epoch": "Give engines an instance id (topic template or service.instance.id).",
-}
 
 CSS = """
 body{font:14px/1.45 -apple-system,'Segoe UI',Roboto,'Helvetica Neue',Arial,sans-serif;
@@ -69,7 +51,8 @@ def _e(value: Any) -> str:
 
 
 def _label(label: str) -> str:
-    return f'<span class="sw" style="background:{LABEL_COLORS.get(label, "#999")}"></span>{_e(label)}'
+    colour = info(label).colour if label in LABELS else "#999"
+    return f'<span class="sw" style="background:{colour}"></span>{_e(label)}'
 
 
 def _card(title: str, value: str, note: str = "", tone: str = "") -> str:
@@ -106,10 +89,10 @@ def _summary_table(totals: Totals) -> str:
         n = totals.by_label[label]
         width = 100 * n / top
         rows.append(
-            f"<tr><td>{_label(label)}</td><td>{_e(LABEL_OWNER[Label(label)].value)}</td>"
+            f"<tr><td>{_label(label)}</td><td>{_e(info(label).owner.value)}</td>"
             f'<td class="n">{n:,}</td><td class="n">{n / totals.requests:.1%}</td>'
             f'<td><span class="bar"><i style="width:{width:.0f}%;background:'
-            f'{LABEL_COLORS[label]}"></i></span></td>'
+            f'{info(label).colour}"></i></span></td>'
             f'<td class="n">{totals.tokens_by_label[label]:,}</td></tr>')
     owners = ", ".join(f"{_e(o)} {n:,}" for o, n in sorted(totals.by_owner.items()))
     return ('<table><tr><th>label</th><th>owner</th><th class="n">requests</th>'
@@ -163,7 +146,7 @@ def _section(chart: Chart | None, extra: str = "") -> str:
 def render_html(rows: list[Row], context: dict[str, Any], charts: list[Chart]) -> str:
     totals = Totals(rows)
     by_name = {c.name: c for c in charts}
-    todo = "".join(f"<tr><td>{_label(label)}</td><td>{_e(WHAT_TO_DO[label])}</td></tr>"
+    todo = "".join(f"<tr><td>{_label(label)}</td><td>{_e(info(label).advice)}</td></tr>"
                    for label in totals.labels() if label not in NOT_MISSES)
     faults = context.get("fault_notes") or []
     t0 = origin(rows, context)

@@ -25,11 +25,10 @@ from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.service.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
 from kvmiss.enricher.service.request_records import RequestRecords
 from kvmiss.enricher.service.fleet_watch import FleetStats
-from kvmiss.schemas.attribution import LABEL_OWNER, ClockOffset, Label
+from kvmiss.schemas.attribution import ClockOffset, Label
 from kvmiss.schemas.fleet import MemberState
-
-UNKNOWN_LABELS = (Label.UNKNOWN_HISTORY, Label.UNKNOWN_EPOCH)
-NOT_MISSES = (Label.HIT, Label.LOOKUP_LIMIT)
+# NOT_MISSES is not read here; it stays importable from this module, where it used to live.
+from kvmiss.schemas.labels import LABELS, MISS_LABELS, NOT_MISSES, UNKNOWN_LABELS  # noqa: F401
 # Why an OTLP request was answered with an error before any of its spans was read (a fixed
 # set: the receiver's ``requests_<reason>`` counters).
 OTLP_REQUEST_REFUSALS = ("unsupported_media_type", "unsupported_encoding", "too_large", "malformed", "body_timeout")
@@ -229,7 +228,7 @@ class KvmissCollector(Collector):
             # Worker ids come from spans: only members (and workers that left within retention)
             # are label values (a hostile or misconfigured sender must not grow the series).
             shown = worker if not worker or worker in fleet or worker in departed else "untracked"
-            key = (label.value, LABEL_OWNER[label].value, shown, self._policy(policy, policies))
+            key = (label.value, LABELS[label].owner.value, shown, self._policy(policy, policies))
             n, t, ex = folded.get(key, (0, 0, None))
             folded[key] = (n + count, t + self.stats.missed_tokens[(label, policy, worker)],
                            ex or self.exemplars.get((label, policy, worker)))
@@ -239,7 +238,7 @@ class KvmissCollector(Collector):
             tokens.add_metric(list(key), t)
         yield requests
         yield tokens
-        misses = sum(n for (label, _, _), n in self.stats.verdicts.items() if label not in NOT_MISSES)
+        misses = sum(n for (label, _, _), n in self.stats.verdicts.items() if label in MISS_LABELS)
         unknown = sum(n for (label, _, _), n in self.stats.verdicts.items() if label in UNKNOWN_LABELS)
         share = GaugeMetricFamily("kvmiss_unknown_share", "Share of misses labelled unknown_*.")
         share.add_metric([], unknown / misses if misses else 0.0)

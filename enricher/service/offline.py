@@ -28,8 +28,9 @@ from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.otlp.assembly import Assembly, Fragment, MissingFacts, join_target, to_request_facts
 from kvmiss.enricher.otlp.spans import SpanReader
 from kvmiss.enricher.service.request_records import record_of
-from kvmiss.schemas.attribution import LABEL_OWNER, AttributionRecord, Label, Owner, RequestFacts, RequestRecord
+from kvmiss.schemas.attribution import AttributionRecord, Label, Owner, RequestFacts, RequestRecord
 from kvmiss.schemas.config import WorkerSpec
+from kvmiss.schemas.labels import LABELS, MISS_LABELS, UNKNOWN_LABELS
 
 _request_decoder = msgspec.json.Decoder(RequestFacts)
 
@@ -92,22 +93,22 @@ class Summary:
 
     @property
     def misses(self) -> int:
-        return sum(n for label, n in self.by_label.items() if label not in (Label.HIT, Label.LOOKUP_LIMIT))
+        return sum(n for label, n in self.by_label.items() if label in MISS_LABELS)
 
     @property
     def unknown_share(self) -> float:
-        unknown = self.by_label[Label.UNKNOWN_HISTORY] + self.by_label[Label.UNKNOWN_EPOCH]
+        unknown = sum(self.by_label[label] for label in UNKNOWN_LABELS)
         return unknown / self.misses if self.misses else 0.0
 
     def table(self) -> str:
         rows = [f"{'label':<18}{'owner':<13}{'requests':>9}{'missed tokens':>15}"]
         for label in Label:
             if self.by_label[label]:
-                rows.append(f"{label.value:<18}{LABEL_OWNER[label].value:<13}"
+                rows.append(f"{label.value:<18}{LABELS[label].owner.value:<13}"
                             f"{self.by_label[label]:>9}{self.tokens_by_label[label]:>15}")
         by_owner: collections.Counter[Owner] = collections.Counter()
         for label, n in self.by_label.items():
-            by_owner[LABEL_OWNER[label]] += n
+            by_owner[LABELS[label].owner] += n
         rows.append("")
         rows.append("by owner: " + ", ".join(f"{o.value} {n}" for o, n in sorted(by_owner.items())))
         rows.append(f"requests {self.requests}, misses {self.misses}, "
