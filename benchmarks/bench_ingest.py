@@ -9,7 +9,9 @@ built once with the real encoder, then replayed in-process on one core.
 
 Reports block events/s (one event = one BlockStored or BlockRemoved) and batches/s for each
 stage cumulatively: decode only (the reference decoder, and the compiled reader
-collectors/_kvwire.c that the stream uses when it is built), + stream continuity, + index apply.
+collectors/_kvwire.c that the stream uses when it is built), + stream continuity, + index apply,
+and the whole path as the collector runs it: the fleet routing each message to its worker's
+stream (frames parsed by the worker's engine adapter), actions to a sink applying the index.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import time
 import msgspec
 
 from kvmiss.collectors.continuity import Apply
+from kvmiss.collectors.fleet import SUB, Fleet
 from kvmiss.collectors.frames import parse_live
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.schemas.config import WorkerSpec
 from kvmiss.schemas.events import BlockRemoved, BlockStored, EventBatch, decode_batch
 
 STORES_PER_BATCH = 4
@@ -87,6 +91,18 @@ def stage_index(frames):
                 index.apply(action.batch)
 
 
+def stage_fleet(frames):
+    index = ResidencyIndex(["w0"])
+
+    def sink(worker, action):
+        if action.__class__ is Apply:
+            index.apply(action.batch)
+
+    fleet = Fleet([WorkerSpec(id="w0", endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5558")], sink)
+    for i, f in enumerate(frames):
+        fleet.on_message("w0", SUB, f, i * 0.01)
+
+
 def best_of(fn, frames, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -100,14 +116,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--stages", default="", help="comma-separated stage name prefixes to run (default: all)")
     args = parser.parse_args()
     frames, events = build_frames(args.batches)
     print(f"{args.batches} batches, {events} block events "
           f"({events / args.batches:.1f} per batch, {STORES_PER_BATCH} stores x {BLOCKS_PER_STORE} blocks + removals)")
     from kvmiss.collectors.frames import READER_COMPILED
     stages = [("decode only", stage_decode)] + ([("read only (compiled)", stage_read)] if READER_COMPILED else [])
+    wanted = [w.strip() for w in args.stages.split(",") if w.strip()]
     for name, fn in (*stages, ("+ stream continuity", stage_stream),
-                     ("+ index apply", stage_index)):
+                     ("+ index apply", stage_index), ("fleet + index", stage_fleet)):
+        if wanted and not any(name.lstrip("+ ").startswith(w) for w in wanted):
+            continue
         s = best_of(fn, frames, args.repeat)
         print(f"{name:<22} {events / s:>12,.0f} block events/s {args.batches / s:>10,.0f} batches/s")
 

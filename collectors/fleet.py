@@ -11,7 +11,7 @@ from typing import Callable, Container, Iterable
 import msgspec
 
 from kvmiss.collectors.continuity import MAX_TAIL_PROBES, RequestReplay, StreamAction, StreamConfig, StreamState
-from kvmiss.collectors.frames import parse_live, parse_replay
+from kvmiss.collectors.engines import adapter_for
 from kvmiss.collectors.recording import ReadStats, RecordedMessage, read_recording
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.schemas.config import WorkerSpec
@@ -51,9 +51,14 @@ class Fleet:
         self.streams: dict[str, WorkerStream] = {spec.id: self._stream(spec) for spec in self.specs.values()}
 
     def _stream(self, spec: WorkerSpec) -> WorkerStream:
+        """The worker's stream, reading its engine's wire (``spec.engine``'s adapter)."""
+        adapter = adapter_for(spec.engine)
+        config = self.config
+        if config.first_seq != adapter.first_seq:
+            config = msgspec.structs.replace(config, first_seq=adapter.first_seq)
         return WorkerStream(spec.id, replay=spec.replay_endpoint is not None,
-                            topic_template=spec.topic_template, config=self.config,
-                            state=StreamState(epoch=self._epoch_floor))
+                            topic_template=spec.topic_template, config=config,
+                            state=StreamState(epoch=self._epoch_floor), adapter=adapter)
 
     def add(self, spec: WorkerSpec) -> WorkerStream:
         """A worker that joined: a new stream, from a new epoch (nothing carried over)."""
@@ -80,9 +85,9 @@ class Fleet:
                    request_id: int | None = None) -> list[RequestReplay]:
         stream = self.streams[worker]
         if socket == SUB:
-            actions = stream.on_live(parse_live(frames), now)
+            actions = stream.on_live(stream.adapter.frames.live(frames), now)
         elif socket == DEALER:
-            actions = stream.on_replay(parse_replay(frames), request_id or 0, now)
+            actions = stream.on_replay(stream.adapter.frames.replay(frames), request_id or 0, now)
         elif socket == MONITOR and frames == [RECONNECTED]:
             actions = stream.on_reconnect(now)
         elif socket == MONITOR and frames == [CONNECTED]:

@@ -44,9 +44,9 @@ from kvmiss.collectors.continuity import (
     RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, TAIL_PROBE_DEFER_S,
     TailConfirmed, Unverified, bump, instance_from_topic,
 )
-from kvmiss.collectors.frames import (
-    BatchMessage, FrameError, Message, ReplayEnd, WireError, has_clear, scan_batch,
-)
+from kvmiss.collectors.engines import ADAPTERS, EngineAdapter
+from kvmiss.collectors.frames import BatchMessage, FrameError, Message, ReplayEnd, WireError, has_clear
+from kvmiss.schemas.events import EventBatch
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 
@@ -56,6 +56,8 @@ class WorkerStream:
     ``replay``: the worker has a replay endpoint. ``topic_template``: e.g.
     ``kv@{instance}@{model}`` when topics carry an instance id. ``state``: start from a
     given state (tests, restore); default is a fresh INITIAL stream at epoch 0.
+    ``adapter``: the engine's (collectors/engines), which decodes the payloads; the caller
+    parses frames with its `EngineAdapter.frames` and passes its ``first_seq`` in ``config``.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class WorkerStream:
         topic_template: str | None = None,
         config: StreamConfig = StreamConfig(),
         state: StreamState | None = None,
+        adapter: EngineAdapter = ADAPTERS["vllm"],
     ) -> None:
         if topic_template is not None:
             instance_from_topic(topic_template, "")  # fail now on a bad template
@@ -83,6 +86,9 @@ class WorkerStream:
         self._lags = LagWindow(config.clock_window_s)  # kept across epochs: a host's clock
         self._live_topic: str | None = None  # of the last live batch: `on_live`'s common case
         self.fast_path = True  # False: every message takes the general path (tests compare)
+        self.adapter = adapter
+        self._scan = adapter.scan  # (read per batch: kept off the adapter's attribute lookup)
+        self._decode = adapter.decode
 
     # --- what the owner reads ---------------------------------------------------------------
 
@@ -124,8 +130,8 @@ class WorkerStream:
             # compiled reader does not read (`BatchMessage.decode`'s rule), or one with a
             # clear, takes `_apply` for its decoding and known-empty point.
             self._now = now
-            payload = message.payload
-            scanned = scan_batch(payload) if scan_batch is not None and payload.__class__ is bytes else None
+            payload, scan = message.payload, self._scan
+            scanned = scan(payload) if scan is not None and payload.__class__ is bytes else None
             if scanned is None or scanned[2].has_clear or state.run is None:
                 self._out = []
                 state.live_seen = message.seq
@@ -462,7 +468,7 @@ class WorkerStream:
         try:
             if isinstance(message, FrameError):
                 raise WireError(message.reason)
-            batch = message.decode()
+            batch = self._read(message.payload)
         except WireError as exc:
             self._write_off(seq, HoleReason.MALFORMED, str(exc))
             return
@@ -484,6 +490,17 @@ class WorkerStream:
             epoch_certain=state.epoch_certain, replayed=replayed,
         )))
         self._count_applied(batch.ts, replayed, seq, recv_ts)
+
+    def _read(self, payload: bytes) -> EventBatch:
+        """The batch in ``payload``: read by the compiled reader when it applies to the engine
+        and reads it (events as `EncodedEvents`), else decoded by the engine's adapter."""
+        scan = self._scan
+        if scan is not None and payload.__class__ is bytes:
+            scanned = scan(payload)
+            if scanned is not None:
+                ts, dp_rank, events = scanned
+                return EventBatch(ts=ts, events=events, dp_rank=dp_rank)
+        return self._decode(payload)
 
     def _known_empty_applied(self, seq: int, cause: KnownEmpty) -> None:
         state = self.state
