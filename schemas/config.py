@@ -99,8 +99,8 @@ def _check_port(port: str, where: str, *, allow_zero: bool) -> None:
     if not port.isascii() or not port.isdigit():
         raise ValueError(f"{where!r}: the port {port!r} is not a number" if port else f"{where!r} has no port")
     low = 0 if allow_zero else 1
-    if not low <= int(port) <= MAX_PORT:
-        raise ValueError(f"{where!r}: port {int(port)} is outside {low}-{MAX_PORT}")
+    if len(port) > 5 or not low <= int(port) <= MAX_PORT:  # (5 digits first: int() of a huge one is slow, or refused)
+        raise ValueError(f"{where[:80]!r}: port {port[:12]}{'...' if len(port) > 12 else ''} is outside {low}-{MAX_PORT}")
 
 
 ENDPOINT_SCHEMES = ("tcp", "ipc", "inproc")

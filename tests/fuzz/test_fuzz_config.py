@@ -83,9 +83,10 @@ def _toml_containers(children: st.SearchStrategy) -> st.SearchStrategy:
 
 
 toml_values = st.recursive(toml_scalars, _toml_containers, max_leaves=6)
-addresses = st.sampled_from(["127.0.0.1:4317", "[::1]:4318", ":9464", "127.0.0.1:0", ""])
-endpoints = st.sampled_from(["tcp://127.0.0.1:5557", "tcp://*:5557", "tcp://h:0", "ipc:///tmp/x",
-                             "inproc://kv", "tcp://[::1]:6000"])
+# Replay endpoints are connected to: no "*" host, no port 0 (the config refuses both).
+endpoints = st.sampled_from(["tcp://127.0.0.1:5557", "tcp://h:5558", "ipc:///tmp/x", "inproc://kv", "tcp://[::1]:6000"])
+# grpc, http and metrics: never two on one port (the config refuses it); off ("") and port 0 may repeat.
+listen_sets = st.permutations(["127.0.0.1:4317", "[::1]:4318", ":9464", "127.0.0.1:0", "", "127.0.0.1:0"])
 secrets_ = st.text(min_size=8, max_size=24).map(lambda s: SECRET_MARK + s)
 
 
@@ -103,8 +104,9 @@ def valid_documents(draw) -> dict:
             worker["topic_template"] = "kv@{instance}@{model}"
         workers.append(worker)
     privacy = draw(st.sampled_from([{}, {"digest_key": draw(secrets_)}, {"digest_key_env": "KVMISS_KEY"}]))
+    grpc, http, listen = draw(listen_sets)[:3]
     return {
-        "otlp": {"grpc": draw(addresses), "http": draw(addresses),
+        "otlp": {"grpc": grpc, "http": http,
                  "max_body_bytes": draw(st.integers(1, 2**40)), "max_pending_spans": draw(st.integers(1, 10**9)),
                  "max_spans_per_s_per_client": draw(st.floats(0, 1e9)), "max_connections": draw(st.integers(0, 10**6)),
                  "body_timeout_s": draw(st.floats(0.001, 1e6))},
@@ -116,7 +118,7 @@ def valid_documents(draw) -> dict:
                    **({"hash_seed": draw(st.text(max_size=6))} if draw(st.booleans()) else {})},
         "workers": workers,
         "privacy": privacy,
-        "metrics": {"listen": draw(addresses), "unknown_budget": draw(st.floats(0, 1))},
+        "metrics": {"listen": listen, "unknown_budget": draw(st.floats(0, 1))},
         "history": {"retention_s": draw(st.floats(0.001, 1e9)), "wait_s": draw(st.floats(0, 1e6)),
                     "assemble_wait_s": draw(st.floats(0, 1e6)),
                     "aged_out_as_recent_match": draw(st.booleans())},

@@ -134,8 +134,8 @@ def test_exporter_down_then_back_buffers_within_the_bound_pushes_back_then_flush
 
     # Bring the sink back between two of the queue's retries, after the OTel SDK exporter
     # has been refused at least once, so both retry paths are exercised.
-    retries_before = log_count(kvmiss, "export retryable")
-    wait_until(lambda: log_count(kvmiss, "export retryable") > retries_before, "the queue's next retry")
+    retries_before = kvmiss.scrape().get("kvmiss_export_retries")
+    wait_until(lambda: kvmiss.scrape().get("kvmiss_export_retries") > retries_before, "the queue's next retry")
     refused_before = kvmiss.scrape().get("kvmiss_spans_refused")
     sdk_batch = sdk_spans(batch, "while-full")
     sdk_result: list = []
