@@ -235,7 +235,7 @@ class FleetRound:
     def __init__(self, index: ResidencyIndex, clocks: Clocks | None = None):
         self.generation = index.generation
         margin = index.tail_margin_s
-        self.workers: list[str] = list(index.tracked)  # the per-worker loop's order
+        self.workers: list[str] = sorted(index.tracked)  # sorted: no verdict may depend on set order
         self.position = {worker: pos for pos, worker in enumerate(self.workers)}
         # (worker, its clock, the last t it counts at: inf, or its departure plus the band)
         self.skewed: list[tuple[str, ClockOffset, float]] = []

@@ -25,11 +25,12 @@ from golden_cases import cases, expected_path, inputs, run_pinned  # noqa: E402
 MAX_SHOWN = 10
 
 
-@pytest.fixture(scope="module")
-def produced(tmp_path_factory) -> Path:
-    """Every case attributed once (one child process, its hash seed pinned)."""
+@pytest.fixture(scope="module", params=["0", "1729"], ids=["hashseed0", "hashseed1729"])
+def produced(tmp_path_factory, request) -> Path:
+    """Every case attributed once per string-hash seed (one child process each): no verdict
+    may depend on the order of a set."""
     out = tmp_path_factory.mktemp("golden")
-    run_pinned(out)
+    run_pinned(out, seed=request.param)
     return out
 
 
