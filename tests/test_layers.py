@@ -22,8 +22,8 @@ PACKAGES = {"schemas": "kvmiss.schemas", "collectors": "kvmiss.collectors", "enr
 
 FOLDERS = {"core": 2, "estimates": 2, "otlp": 3, "service": 4, "cli": 5, "demo": 5, "report": 5}
 APART = {("core", "estimates")}  # (importer's folder, imported folder): the same layer, still never
-# Modules directly in enricher/: only aliases of old import paths, on the layer of what they name.
-TOP_LEVEL = {"inprocess": "service", "vllm_plugin": "service"}
+# Modules directly in enricher/ (its __init__ only: the version).
+TOP_LEVEL: dict[str, str] = {}
 
 
 def folder_of(module: str) -> str | None:

@@ -23,7 +23,7 @@ Idle workers: an engine publishes only when a step produced events, so a worker 
 before t has no batch stamped after t. A tail confirmation (the publisher had nothing after
 the last applied batch when it answered a probe sent at least ``index.tail_margin_s`` after
 t) proves its history reaches t; the lookup step is then the virtual step after the last
-applied batch (`EpochView.lookup_step`): everything applied came before t.
+applied batch (`EpochResidency.lookup_step`): everything applied came before t.
 
 Clocks: every claim above places a worker's event times (its engine clock) against t, and
 tail confirmations against kvmiss's clock, trusting each engine clock to be within
@@ -40,7 +40,7 @@ from bisect import bisect_left, bisect_right
 from typing import Callable, Collection, Iterable, NamedTuple
 
 from kvmiss.enricher.core.group_evidence import limiting_group_evidence
-from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochView, Interval, ResidencyIndex, Run
+from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochResidency, Interval, ResidencyIndex, HistoryRun
 from kvmiss.enricher.core.membership import INF, Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
 from kvmiss.schemas.attribution import (
@@ -65,8 +65,8 @@ def first_miss_hash(facts: RequestFacts) -> int | None:
     return chain[i] if 0 <= i < len(chain) else None
 
 
-def _choose_view(views: list[EpochView], instance_hint: str | None, t: float,
-                 margin: float = TAIL_MARGIN_S) -> EpochView | None:
+def _choose_view(views: list[EpochResidency], instance_hint: str | None, t: float,
+                 margin: float = TAIL_MARGIN_S) -> EpochResidency | None:
     """The epoch view that served a lookup at t, or None when that cannot be established."""
     if instance_hint is not None:
         matching = [v for v in views if v.instance == instance_hint]
@@ -89,7 +89,7 @@ def _choose_view(views: list[EpochView], instance_hint: str | None, t: float,
     return None
 
 
-def _quarantined(view: EpochView, run: Run, step_seq: int) -> bool:
+def _quarantined(view: EpochResidency, run: HistoryRun, step_seq: int) -> bool:
     if view.refusals and view.quarantined_at(step_seq) is not None:
         return True  # events the index refused (`index.MAX_TIERS`): a hole of its own
     return run.start is RunStart.AFTER_GAP and view.last_clear_between(run.start_seq, step_seq + 1) is None
@@ -103,12 +103,12 @@ class _Held(NamedTuple):
 
 
 _NOT_HELD = _Held()
-# The worker's engine clock went back around t (`EpochView.clock_steps`): which of its
+# The worker's engine clock went back around t (`EpochResidency.clock_steps`): which of its
 # batches came before t is not established, so its records prove nothing either way.
 _STEPPED = _Held(unresolved=History.GAP)
 
 
-def _held_on(view: EpochView, key: int, medium: str, step_seq: int, run: Run) -> _Held:
+def _held_on(view: EpochResidency, key: int, medium: str, step_seq: int, run: HistoryRun) -> _Held:
     """Whether ``key`` was resident on ``medium`` throughout the step containing t.
 
     Held: stored in this run before the step, not removed through the step. Not held: no
@@ -134,7 +134,7 @@ def _held_on(view: EpochView, key: int, medium: str, step_seq: int, run: Run) ->
     return _Held(node)
 
 
-def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | None = None,
+def _worker_held(view: EpochResidency, key: int, t: float, media: Iterable[str] | None = None,
                  margin: float = TAIL_MARGIN_S) -> tuple[str | None, _Held]:
     """Whether any of ``media`` (default: every medium) of this worker epoch held ``key``
     at t: (medium, held) for a proof of holding, (None, not-held) for a proof of absence,
@@ -169,7 +169,7 @@ def _worker_held(view: EpochView, key: int, t: float, media: Iterable[str] | Non
     return None, (_NOT_HELD if known_empty else _Held(unresolved=History.GAP))
 
 
-def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MARGIN_S) -> bool:
+def _clean_without(view: EpochResidency, key: int, t: float, margin: float = TAIL_MARGIN_S) -> bool:
     """Fast proof of absence: no record of ``key`` at all, and the current run is continuous
     from a known-empty point before t through a batch after t (or a confirmed idle tail)."""
     since = view.known_empty_since
@@ -197,7 +197,7 @@ def _clean_without(view: EpochView, key: int, t: float, margin: float = TAIL_MAR
 Clocks = Callable[[str], ClockOffset | None]  # worker id -> its measured clock, None: unmeasured
 
 
-def _absence_window(view: EpochView | None, margin: float) -> tuple[float, float] | None:
+def _absence_window(view: EpochResidency | None, margin: float) -> tuple[float, float] | None:
     """The lookup times t at which this current view rules a block out by having no record
     of it (`_clean_without`'s key-independent conditions): from the latest of its known-empty
     point, its current run's start, its first batch and its retention horizon, through where
@@ -419,7 +419,7 @@ def read_the_cache(facts: RequestFacts) -> bool:
     return b > 0 and (facts.cached_tokens >= b or facts.skip_reading_prefix_cache is False)
 
 
-def _no_copy_preceded(view: EpochView, facts: RequestFacts, step_seq: int) -> bool:
+def _no_copy_preceded(view: EpochResidency, facts: RequestFacts, step_seq: int) -> bool:
     """Two copies of the first missed block were stored in the lookup's step; had one been
     stored before the lookup (a request that skips the cache, scheduled first), the block
     would have been held when the request looked. For a request that read the cache
@@ -427,7 +427,7 @@ def _no_copy_preceded(view: EpochView, facts: RequestFacts, step_seq: int) -> bo
     besides, would then have given a longer hit than it reported -- so no copy preceded the
     lookup, and the step's stores came after it. On a hybrid the block alone does not make a
     hit (a window group may not have kept the window there): what the step stored up to that
-    first copy, in every group, is held besides (`EpochView.stored_in_step_through`). Otherwise
+    first copy, in every group, is held besides (`EpochResidency.stored_in_step_through`). Otherwise
     (a request that may have skipped the cache, a group the rule does not model, a step whose
     order was not kept) the doubt stays."""
     chain, b = facts.block_hashes, facts.block_size
@@ -554,7 +554,7 @@ def gather(
     return Evidence(history=History.GAP, **gap, **base)
 
 
-def _gap_of(run: Run) -> dict:
+def _gap_of(run: HistoryRun) -> dict:
     """Where the history behind this run broke: an unfilled hole, or everything before a
     mid-epoch join (seq 0 .. first seen - 1)."""
     if run.start is RunStart.AFTER_GAP:

@@ -1,7 +1,7 @@
 """Evidence for a hybrid model: which KV-cache group limited the hit, read in that group.
 
 `evidence.gather` calls `limiting_group_evidence` when the chosen worker's epoch named
-several KV-cache groups (or one that is not full attention: `EpochView.hybrid`). The engine's
+several KV-cache groups (or one that is not full attention: `EpochResidency.hybrid`). The engine's
 hit is the longest length every group accepts (enricher/core/hit_rule.py). With the reported
 C and the request's chain, the first missed block H = h[C / B]:
 
@@ -10,7 +10,7 @@ C and the request's chain, the first missed block H = h[C / B]:
     single group (None is returned): evicted, no_match, resident_miss or unknown.
   * H held there: the full-attention group allowed a longer hit, ``p`` blocks (its leading
     run, up to the lookup limit), and another group refused it. Each other group is asked
-    once (`EpochView.residency`) for the blocks its rule needs at ``p``; the first that lacks
+    once (`EpochResidency.residency`) for the blocks its rule needs at ``p``; the first that lacks
     one is the limiting group, and its blocks decide: one that history cannot place ->
     unknown_history; one stored there in this epoch and removed before t -> evicted (read in
     that group); all never stored there since a known-empty point -> window_limit. When every
@@ -30,7 +30,7 @@ import enum
 from typing import Any, NamedTuple
 
 from kvmiss.enricher.core.hit_rule import window_needed
-from kvmiss.enricher.core.index import EpochView, Interval, Run
+from kvmiss.enricher.core.index import EpochResidency, Interval, HistoryRun
 from kvmiss.enricher.core.verdict import lookup_limit_tokens
 from kvmiss.schemas.attribution import Evidence, History, KVCacheGroup, Presence, RequestFacts, WindowStart
 from kvmiss.schemas.stream import RunStart
@@ -67,7 +67,7 @@ def kind_name(group: KVCacheGroup | None) -> str:
     return group.kind if group.kind in KNOWN_KINDS else "a kind this release does not know"
 
 
-def fates(view: EpochView, group: int, keys: list[int], step_seq: int, run: Run) -> list[BlockAt]:
+def fates(view: EpochResidency, group: int, keys: list[int], step_seq: int, run: HistoryRun) -> list[BlockAt]:
     """Each key's fate in ``group`` at the lookup step (evidence.py's timing rules)."""
     out: list[BlockAt] = []
     known_empty = None
@@ -93,7 +93,7 @@ def fates(view: EpochView, group: int, keys: list[int], step_seq: int, run: Run)
     return out
 
 
-def limiting_group_evidence(view: EpochView, facts: RequestFacts, step_seq: int, run: Run,
+def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq: int, run: HistoryRun,
                             base: dict[str, Any], gap: dict[str, Any]) -> Evidence | None:
     """The evidence of the group that limited the hit, or None when the full-attention group
     did (or the index holds everything the groups needed): the caller judges H there."""

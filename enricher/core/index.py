@@ -5,7 +5,7 @@ lookup time in the past* by `enricher.evidence`. Pure state: no sockets, no cloc
 the batches' engine ``ts`` and the ``now`` a caller passes to `prune`). Not thread-safe: one
 owner applies and queries (the pipeline's event loop).
 
-Layout per worker: one `EpochView` per process lifetime (the previous one is kept read-only
+Layout per worker: one `EpochResidency` per process lifetime (the previous one is kept read-only
 so that late requests that looked up before a restart can still be judged; residency is
 never carried across). Inside a view:
 
@@ -16,7 +16,7 @@ never carried across). Inside a view:
     sends nothing, so this is how its history reaches a lookup after its last batch.
   * ``runs``: stretches of continuous history (see `schemas.stream.RunStart`).
   * ``clears``: observed AllBlocksCleared (seq, ts): known-empty points.
-  * ``tiers``: `Tier` (medium, KV-cache group) -> `BlockTable` (enricher/core/residency_table.py):
+  * ``tiers``: `Placement` (medium, KV-cache group) -> `BlockTable` (enricher/core/residency_table.py):
     the *latest* residency interval of each block there, older ones chained behind it, and
     a retention queue of closed ones. Copies are reference-counted per tier: offload tiers
     and the lookup-limit recompute store one hash twice, and one `BlockRemoved` does not
@@ -25,7 +25,7 @@ never carried across). Inside a view:
     store named one); ``groups`` each group's `KVCacheGroup`, learned from its first store.
   * ``pruned``: a no-false-negative filter of blocks whose records retention dropped, so a
     query that would need one answers "aged out" instead of guessing; it remembers them for
-    ``aged_out_horizon_s`` (then "no recent match" since what it forgot, see `PrunedFilter`).
+    ``aged_out_horizon_s`` (then "no recent match" since what it forgot, see `AgedOutFilter`).
 
 Per-event work is O(1) (one call into the table per event, one probe per block);
 AllBlocksCleared is O(resident blocks), as in every peer implementation, and rare.
@@ -40,6 +40,7 @@ from bisect import bisect_right
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from kvmiss.collectors.engines import canonical_medium  # each engine's medium spellings
+from kvmiss.enricher.core.aged_out import AgedOutFilter
 from kvmiss.enricher.core.divergence import SiblingRegistry
 from kvmiss.enricher.core.hit_rule import hybrid_hit, window_needed
 from kvmiss.enricher.core.membership import Joined, Membership
@@ -64,9 +65,9 @@ MAX_TIERS = 64
 # it (schemas/config.py: history.clock_skew_s + history.publish_delay_s).
 TAIL_MARGIN_S = 1.25
 
-class Tier(NamedTuple):
+class Placement(NamedTuple):
     """Where a residency table lives: a canonical medium and a KV-cache group (a group the
-    engine does not name is 0)."""
+    engine does not name is 0). Not an offload tier: GPU is a placement too."""
 
     medium: str
     group: int
@@ -87,7 +88,7 @@ class Interval(NamedTuple):
     removed_by_clear: bool
 
 
-class Run:
+class HistoryRun:
     """A stretch of one epoch in which every batch was applied (live or via replay)."""
 
     __slots__ = ("start_seq", "start", "start_ts", "gap_from_seq", "gap_to_seq", "last_seq")
@@ -101,157 +102,12 @@ class Run:
         self.last_seq = batch.seq
 
 
-class _BloomStage:
-    """One fixed-size Bloom filter: ``bits_log2`` bits, `PrunedFilter.HASHES` positions per
-    hash by double hashing over the (already uniform) 64-bit block hash."""
-
-    __slots__ = ("bits", "mask", "count", "capacity")
-
-    def __init__(self, bits_log2: int):
-        self.bits = bytearray(1 << (bits_log2 - 3))
-        self.mask = (1 << bits_log2) - 1
-        self.count = 0
-        self.capacity = (1 << bits_log2) // PrunedFilter.BITS_PER_ENTRY
-
-    def positions(self, block_hash: int) -> list[int]:
-        h1, h2, m = block_hash & 0xFFFFFFFF, (block_hash >> 32) | 1, self.mask
-        return [(h1 + i * h2) & m for i in range(PrunedFilter.HASHES)]
-
-    def add(self, block_hash: int) -> None:
-        bits = self.bits
-        for p in self.positions(block_hash):
-            bits[p >> 3] |= 1 << (p & 7)
-        self.count += 1
-
-    def add_many(self, hashes: list[int]) -> None:
-        """`add` for each hash; in C when the table is compiled (pruning adds millions)."""
-        if bloom_add is None:
-            for h in hashes:
-                self.add(h)
-            return
-        bloom_add(self.bits, self.mask, hashes, PrunedFilter.HASHES)
-        self.count += len(hashes)
-
-    def __contains__(self, block_hash: int) -> bool:
-        bits = self.bits
-        return all(bits[p >> 3] & (1 << (p & 7)) for p in self.positions(block_hash))
-
-
-class _Generation:
-    """A scalable Bloom filter (a full stage is followed by one twice its size) over the
-    records dropped by the prunes of one stretch of engine time, ``first_ts .. last_ts``
-    (their ``before_ts``: every record in it closed before ``last_ts``)."""
-
-    __slots__ = ("stages", "count", "first_ts", "last_ts", "first_bits_log2")
-
-    def __init__(self, at_ts: float | None, first_bits_log2: int):
-        self.stages: list[_BloomStage] = []
-        self.count = 0
-        self.first_ts = self.last_ts = at_ts
-        self.first_bits_log2 = first_bits_log2
-
-    def add_many(self, hashes: list[int]) -> None:
-        stages, done = self.stages, 0
-        while done < len(hashes):
-            if not stages or stages[-1].count >= stages[-1].capacity:
-                stages.append(_BloomStage(self.first_bits_log2 + len(stages)))
-            stage = stages[-1]
-            take = hashes[done:done + stage.capacity - stage.count]
-            stage.add_many(take)
-            done += len(take)
-        self.count += len(hashes)
-
-    def __contains__(self, block_hash: int) -> bool:
-        return any(block_hash in stage for stage in reversed(self.stages))
-
-
-# The most batches a view keeps in order for their same-step copies (`EpochView.copy_steps`):
+# The most batches a view keeps in order for their same-step copies (`EpochResidency.copy_steps`):
 # ~1-2 KB each, so a few MB per hybrid worker at most however long its retention.
 MAX_COPY_STEPS = 2048
 
 
-class PrunedFilter:
-    """Blocks whose records retention dropped, remembered for ``horizon_s`` of engine time
-    after they were dropped: no false negatives inside that horizon, and memory bounded by
-    the eviction rate times the horizon, however long the engine runs.
-
-    Rotating generations: the records dropped by the prunes of each ``horizon_s /
-    GENERATIONS`` of engine time share one generation, and a generation is forgotten as a
-    whole once even its newest prune is more than ``horizon_s`` old. A record dropped at a
-    prune within the horizon is therefore still in its (kept) generation; knowledge reaches
-    back ``horizon_s`` to ``horizon_s * (1 + 1/GENERATIONS)``. ``forgotten_through``: every
-    forgotten record closed before this engine time, so a block absent from the index and
-    from the filter was not held at any time since (evidence answers "no recent match" from
-    it, the window reported: shared/spec ATTRIBUTION.md, `no_match`).
-
-    Inside a generation, a full stage is followed by one twice its size, so the
-    false-positive rate stays bounded however many records it takes (a fixed filter drifts
-    towards "maybe" for everything, turning `no_match` into aged-out unknowns): at 12 bits and
-    6 positions per entry a full stage answers "maybe" wrongly ~0.4 % of the time. A new
-    generation starts at the size the last one reached, so a steady eviction rate fills
-    ~1 stage per generation: 1.5-3 bytes per remembered record.
-    """
-
-    BITS_PER_ENTRY = 12
-    HASHES = 6
-    FIRST_STAGE_BITS_LOG2 = 20
-    GENERATIONS = 4
-
-    __slots__ = ("_generations", "count", "horizon_s", "forgotten_through", "forgotten")
-
-    def __init__(self, horizon_s: float = float("inf")) -> None:
-        self._generations: collections.deque[_Generation] = collections.deque()
-        self.count = 0  # records remembered
-        self.horizon_s = horizon_s
-        self.forgotten_through: float | None = None
-        self.forgotten = 0  # records forgotten (aged past the horizon)
-
-    def add(self, block_hash: int, at_ts: float | None = None) -> None:
-        self.add_many([block_hash], at_ts)
-
-    def add_many(self, hashes: list[int], at_ts: float | None = None) -> None:
-        """Remember ``hashes``, dropped by a prune at engine time ``at_ts`` (its
-        ``before_ts``; None: the current generation's time)."""
-        if not hashes:
-            return
-        gens = self._generations
-        current = gens[-1] if gens else None
-        if current is None or (at_ts is not None and current.first_ts is not None
-                               and at_ts - current.first_ts >= self.horizon_s / self.GENERATIONS):
-            bits_log2 = self.FIRST_STAGE_BITS_LOG2
-            if current is not None:  # sized for what the last one took
-                while (1 << bits_log2) // self.BITS_PER_ENTRY < current.count:
-                    bits_log2 += 1
-            current = _Generation(at_ts, bits_log2)
-            gens.append(current)
-        if at_ts is not None:
-            current.first_ts = at_ts if current.first_ts is None else current.first_ts
-            current.last_ts = at_ts if current.last_ts is None else max(current.last_ts, at_ts)
-        current.add_many(hashes)
-        self.count += len(hashes)
-
-    def forget(self, before_ts: float) -> int:
-        """Forget the generations whose newest prune is older than ``before_ts -
-        horizon_s`` (called by every prune at ``before_ts``); returns how many records."""
-        gens, limit, forgotten = self._generations, before_ts - self.horizon_s, 0
-        while gens and gens[0].last_ts is not None and gens[0].last_ts < limit:
-            gen = gens.popleft()
-            forgotten += gen.count
-            self.forgotten_through = gen.last_ts if self.forgotten_through is None else max(
-                self.forgotten_through, gen.last_ts)
-        self.count -= forgotten
-        self.forgotten += forgotten
-        return forgotten
-
-    def __contains__(self, block_hash: int) -> bool:
-        return any(block_hash in gen for gen in reversed(self._generations))
-
-    @property
-    def bytes_used(self) -> int:
-        return sum(len(stage.bits) for gen in self._generations for stage in gen.stages)
-
-
-class EpochView:
+class EpochResidency:
     """Residency of one worker during one process lifetime."""
 
     def __init__(self, worker: str, epoch: int, instance: str | None, *,
@@ -268,15 +124,15 @@ class EpochView:
         self.log_removed = array("Q")
         self._removed_in_python = 0  # the part of it applied by `_apply_event`
         self.log_base = 0  # entries dropped from the front of the log by retention
-        self.runs: list[Run] = []
+        self.runs: list[HistoryRun] = []
         self.clears: list[tuple[int, float]] = []
-        # Residency records (enricher/core/residency_table.py), one table per `Tier` (medium,
+        # Residency records (enricher/core/residency_table.py), one table per `Placement` (medium,
         # KV-cache group): the same hash in two groups is two different blocks. ``media``
         # holds the primary group's tables per medium -- the full-attention group once the
         # events named one (group 0 until then, and for engines that name no group): what a
         # prefix lookup is judged on. ``groups``: each group's spec, learned from its first
         # store (`KVCacheGroup`). Created at the first batch, relative to its seq.
-        self.tiers: dict[Tier, BlockTable] = {}
+        self.tiers: dict[Placement, BlockTable] = {}
         self.media: dict[str, BlockTable] = {}
         self.groups: dict[int, KVCacheGroup] = {}
         self.primary_group = 0
@@ -284,13 +140,13 @@ class EpochView:
         # Stores not counted as copies (ATTRIBUTION.md rule 7): a BlockStored with no parent
         # whose last block was already resident is vLLM's `kv_cache_report_mode: "full"`
         # re-announcement of a reused chain -- or a recomputed duplicate, which looks the
-        # same. Tier -> hash -> the seqs of such stores, one entry each, ascending. Counts stay
+        # same. Placement -> hash -> the seqs of such stores, one entry each, ascending. Counts stay
         # a lower bound (a resident claim stands); an absence claim after one is not proven --
         # until the request it re-announced for confirms it (`confirm_re_announcement`).
         # Pruned with the log.
-        self.unproven: dict[Tier, dict[int, list[int]]] = {}
+        self.unproven: dict[Placement, dict[int, list[int]]] = {}
         # The same stores as events: seq -> [(tier, hashes)], for `confirm_re_announcement`.
-        self.unproven_stores: dict[int, list[tuple[Tier, tuple[int, ...]]]] = {}
+        self.unproven_stores: dict[int, list[tuple[Placement, tuple[int, ...]]]] = {}
         # The engine time of the first prune that dropped such marks (None: none yet): from
         # then on a block may be held by a store the view no longer remembers (`_tail_readable`).
         self.unproven_pruned_ts: float | None = None
@@ -304,7 +160,7 @@ class EpochView:
         # = "incremental"), so a store with no parent re-storing a resident chain is a copy.
         self.re_announcements = re_announcements
         self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
-        self.pruned = PrunedFilter(aged_out_horizon_s)
+        self.pruned = AgedOutFilter(aged_out_horizon_s)
         self.horizon_ts: float | None = None  # records before this engine time may be gone
         self.first_ts: float | None = None
         self.first_seq = 0  # the first applied batch's seq: the residency tables count from it
@@ -360,7 +216,7 @@ class EpochView:
             ts = self.last_ts  # the log stays in order (see `clock_steps`)
         runs = self.runs
         if not runs or batch.run_start_seq != runs[-1].start_seq:
-            runs.append(Run(batch))
+            runs.append(HistoryRun(batch))
             runs[-1].start_ts = ts
             self.known_empty_since = ts if batch.run_start is RunStart.EPOCH_START else None
         else:
@@ -448,7 +304,7 @@ class EpochView:
         elif cls is BlockRemoved:
             hashes = event.block_hashes
             if self.unproven and hashes and not table.copies(hashes[0]):
-                marks = self.unproven.get(Tier(canonical_medium(event.medium), event.group_idx or 0))
+                marks = self.unproven.get(Placement(canonical_medium(event.medium), event.group_idx or 0))
                 if marks and all(h in marks and not table.copies(h) for h in hashes):
                     # The removal of a copy never counted: that store was a real copy after
                     # all. Its mark stays (absence claims since it stay open); no interval
@@ -510,15 +366,11 @@ class EpochView:
         if self.clock_steps and self.clock_steps[0][1] < before_ts:
             self.clock_steps = [w for w in self.clock_steps if w[1] >= before_ts]
 
-    def holds_seq(self, seq: int) -> bool:
-        """Whether batch ``seq`` fits this view's residency tables (see `SEQ_SPAN`)."""
-        return self.first_ts is None or 0 <= seq - self.first_seq < SEQ_SPAN
-
     def _unproven_store(self, event: BlockStored, seq: int, primary: BlockTable | None) -> None:
         """A possible re-announcement (see ``unproven``): nothing is stored, every block of
         it is marked, and it is counted. On the primary GPU table a block stored earlier in
         the same step is a same-step copy all the same (a request that skips the cache)."""
-        tier = Tier(canonical_medium(event.medium), event.group_idx or 0)
+        tier = Placement(canonical_medium(event.medium), event.group_idx or 0)
         marks = self.unproven.setdefault(tier, {})
         self.unproven_stores.setdefault(seq, []).append((tier, tuple(event.block_hashes)))
         for h in event.block_hashes:
@@ -597,7 +449,7 @@ class EpochView:
         """Whether a window group may have held, now, the blocks its hit of the chain
         ``hashes`` needed -- counted, or stored by a store not counted (`unproven`), or aged
         out of the records (`pruned`)."""
-        tier = Tier(canonical_medium(medium), group)
+        tier = Placement(canonical_medium(medium), group)
         table = self.tiers.get(tier)
         marks = self.unproven.get(tier, {})
         for i in window_needed(len(hashes), need):
@@ -619,7 +471,7 @@ class EpochView:
     def unproven_before(self, group: int, key: int, seq: int, medium: str = GPU) -> bool:
         """Whether a store of ``key`` not counted as a copy (see ``unproven``) came before
         batch ``seq`` on ``medium`` of ``group``."""
-        marks = self.unproven.get(Tier(medium, group))
+        marks = self.unproven.get(Placement(medium, group))
         seqs = marks.get(key) if marks else None
         return seqs is not None and seqs[0] < seq
 
@@ -697,7 +549,7 @@ class EpochView:
         are cached up to a bound too (more come here each time)."""
         raw_medium, raw_group = event.medium, event.group_idx
         group = raw_group or 0
-        tier = Tier(canonical_medium(raw_medium), group)
+        tier = Placement(canonical_medium(raw_medium), group)
         table = self.tiers.get(tier)
         if table is None:
             if len(self.tiers) >= MAX_TIERS:
@@ -755,7 +607,7 @@ class EpochView:
     def residency(self, group: int, keys: Iterable[int], step_seq: int) -> list[Interval | None]:
         """For each key, its latest interval on the GPU of KV-cache ``group`` whose store came
         before the lookup step (`interval_as_of` for one group, many keys in one call)."""
-        table = self.tiers.get(Tier(GPU, group))
+        table = self.tiers.get(Placement(GPU, group))
         if table is None:
             return [None for _ in keys]
         out: list[Interval | None] = []
@@ -905,13 +757,13 @@ class EpochView:
             return last + 1
         return None
 
-    def run_at_step(self, step_seq: int) -> Run | None:
+    def run_at_step(self, step_seq: int) -> HistoryRun | None:
         """The run of a lookup step (the last run for the virtual step after the last batch)."""
         if self.last_seq is not None and step_seq == self.last_seq + 1 and self.runs:
             return self.runs[-1]
         return self.run_containing(step_seq)
 
-    def run_containing(self, seq: int) -> Run | None:
+    def run_containing(self, seq: int) -> HistoryRun | None:
         for run in reversed(self.runs):
             if run.start_seq <= seq <= run.last_seq:
                 return run
@@ -1011,12 +863,12 @@ class ResidencyIndex:
         self.re_announcements = re_announcements
         self.membership = Membership(workers, band_s=membership_uncertainty_s, dynamic=dynamic_membership)
         self.retention_s = retention_s
-        self.aged_out_horizon_s = aged_out_horizon_s  # see `PrunedFilter`
-        self.tail_margin_s = tail_margin_s  # see `EpochView.reached_through`
+        self.aged_out_horizon_s = aged_out_horizon_s  # see `AgedOutFilter`
+        self.tail_margin_s = tail_margin_s  # see `EpochResidency.reached_through`
         self.divergence_detail = divergence_detail
         self.keep_previous_epochs = keep_previous_epochs
-        self.current: dict[str, EpochView] = {}
-        self.previous: dict[str, collections.deque[EpochView]] = {}
+        self.current: dict[str, EpochResidency] = {}
+        self.previous: dict[str, collections.deque[EpochResidency]] = {}
         self.tracked: set[str] = set(workers)
         # worker -> the lowest epoch number applied from now on: set when it rejoins (or is
         # replaced), so nothing under an old epoch number -- a late batch of the old stream, or
@@ -1026,7 +878,7 @@ class ResidencyIndex:
         self.prune_pending = False  # a limited `prune` stopped with more due
         self.aged_out_forgotten = 0  # aged-out blocks forgotten past the horizon, all views
         # (name, worker) -> count, for the metrics: re_announced_stores / re_announced_blocks
-        # (`EpochView.unproven`), stale_partial_stores (vLLM #49125). Kept across epochs.
+        # (`EpochResidency.unproven`), stale_partial_stores (vLLM #49125). Kept across epochs.
         self.anomalies: collections.Counter = collections.Counter()
         # Bumped by every change (apply, confirm_tail, prune): what is derived from the whole
         # index for a judging round (evidence.FleetRound) holds while it stays the same.
@@ -1037,7 +889,7 @@ class ResidencyIndex:
         self.generation += 1
         view = self.current.get(batch.worker)
         if (view is None or view.epoch != batch.epoch
-                or not (view.first_ts is None or 0 <= batch.seq - view.first_seq < SEQ_SPAN)):  # holds_seq
+                or not (view.first_ts is None or 0 <= batch.seq - view.first_seq < SEQ_SPAN)):  # the batch fits the view's tables (`SEQ_SPAN`)
             # (A seq the view cannot hold -- 2^31 batches past its first, `SEQ_SPAN` -- is
             # months of a busy engine's batches, or garbage that passed continuity as a hole;
             # a fresh view keeps the flow without a guess.)
@@ -1049,7 +901,7 @@ class ResidencyIndex:
                 older = self.previous.setdefault(
                     batch.worker, collections.deque(maxlen=self.keep_previous_epochs))
                 older.appendleft(view)  # read-only from now on
-            view = self.current[batch.worker] = EpochView(
+            view = self.current[batch.worker] = EpochResidency(
                 batch.worker, batch.epoch, batch.instance, divergence_detail=self.divergence_detail,
                 aged_out_horizon_s=self.aged_out_horizon_s, counts=self.anomalies,
                 re_announcements=self.re_announcements)
@@ -1120,13 +972,13 @@ class ResidencyIndex:
             self.generation += 1
             view.confirm_tail(seq, at)
 
-    def reaches(self, view: EpochView, t: float) -> bool:
+    def reaches(self, view: EpochResidency, t: float) -> bool:
         return view.reaches(t, self.tail_margin_s)
 
     def engine_would_hit(self, worker: str, t: float, chain: Sequence[int], blocks: int, limit: int,
                          block_size: int) -> bool:
         """Whether the engine's prefix lookup on ``worker`` at ``t`` would have hit at least
-        ``blocks`` blocks of ``chain`` (`EpochView.engine_would_hit`). False whenever that is
+        ``blocks`` blocks of ``chain`` (`EpochResidency.engine_would_hit`). False whenever that is
         not proven (history not there, an uncertain epoch, a group the rule does not model)."""
         for view in self.views(worker):
             if view.first_ts is None or view.first_ts > t:
@@ -1157,7 +1009,7 @@ class ResidencyIndex:
                                 t_latest: float | None = None) -> int:
         """A request in full report mode on ``worker``, looked up at ``t`` (None: not known)
         or, with ``t_latest``, between the two, hit ``hashes``: its re-announcement is told
-        apart (`EpochView.confirm_re_announcement`, in the first view that has one). Returns
+        apart (`EpochResidency.confirm_re_announcement`, in the first view that has one). Returns
         how many marks went (counted: ``re_announced_confirmed``)."""
         gone = 0
         for view in self.views(worker):
@@ -1197,12 +1049,12 @@ class ResidencyIndex:
         views = [*self.current.values(), *(v for older in self.previous.values() for v in older)]
         return sum(v.pruned.count for v in views), sum(v.pruned.bytes_used for v in views)
 
-    def views(self, worker: str) -> list[EpochView]:
+    def views(self, worker: str) -> list[EpochResidency]:
         """The worker's epoch views, newest first."""
         current = self.current.get(worker)
         return ([current] if current is not None else []) + list(self.previous.get(worker, ()))
 
-    def view_of(self, worker: str, epoch: int | None) -> EpochView | None:
+    def view_of(self, worker: str, epoch: int | None) -> EpochResidency | None:
         """The worker's view of that process lifetime, if the index still holds it."""
         return next((v for v in self.views(worker) if v.epoch == epoch), None)
 

@@ -1,6 +1,6 @@
 """The residency records of one medium (and KV-cache group) of one worker epoch.
 
-`BlockTable` is what `enricher.index.EpochView` keeps per medium: for each block hash, its
+`BlockTable` is what `enricher.index.EpochResidency` keeps per medium: for each block hash, its
 latest residency interval and the older ones behind it, reference-counted while resident,
 plus a retention queue of intervals that closed. Sequence numbers are the applied batches'
 (engine) seqs; an interval's store is None when its removal was seen but the store predates
@@ -180,8 +180,8 @@ try:
 except ImportError:  # built without a C compiler: the reference model, correct but slower
     from bisect import bisect_left  # noqa: F401  (the batch log's search; boxes each probe)
     BlockTable = PyBlockTable  # type: ignore[misc,assignment]
-    Applier = None  # EpochView applies events in Python (index.py `_apply_event`)
-    bloom_add = None  # PrunedFilter sets its bits in Python (index.py `_BloomStage.add`)
+    Applier = None  # EpochResidency applies events in Python (index.py `_apply_event`)
+    bloom_add = None  # AgedOutFilter sets its bits in Python (index.py `_BloomStage.add`)
     ACCELERATED = False
 
     def holding(block_hash: object, tables: tuple) -> list[int]:  # type: ignore[misc]

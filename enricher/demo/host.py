@@ -33,7 +33,7 @@ from kvmiss.collectors.continuity import (
 )
 from kvmiss.collectors.recording import RecordingWriter
 from kvmiss.enricher.core.index import GPU, canonical_medium
-from kvmiss.enricher.core.speculative import LatencyReservoir, SpeculativeEntries
+from kvmiss.enricher.demo.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.attribution import AttributionRecord, RequestFacts, Verdict
 from kvmiss.schemas.config import Config, parse_config

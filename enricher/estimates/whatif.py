@@ -253,7 +253,7 @@ def eviction_estimate(view, removed_seq: int | None, lookup_time: float | None, 
     taken one of those instead, so it survives the lookup when ``extra`` covers the evictions
     from its own through the lookup step. None when that cannot be counted: the pool size is
     not known, the removal was a cache reset (a bigger pool keeps nothing across a reset), or
-    the batches have left the log. ``view``: the chosen worker's `EpochView` at the lookup."""
+    the batches have left the log. ``view``: the chosen worker's `EpochResidency` at the lookup."""
     if pool_blocks < 2 or removed_seq is None or lookup_time is None:
         return None
     if any(seq == removed_seq for seq, _ in view.clears):

@@ -339,10 +339,17 @@ def test_watch_keeps_the_file_equal_to_the_api_servers_slices(tmp_path, tls):
                             and len(api_server.requests) > 8)
                 await asyncio.sleep(0.3)
                 assert output.read_text() == before
+
+                # Answers again: listed, then a watch left open and silent for the stop below.
+                api_server.token = "rotated-token"
+                failed = len(api_server.requests)
+                await until(lambda: len(api_server.requests) >= failed + 2
+                            and api_server.requests[-1].get("watch") == "1", timeout=20)
             finally:
+                # The watch is open and silent: a stop must end it without the server's help.
                 stop.set()
-                api_server.watch_queue.put_nowait(None)
-                await asyncio.wait_for(task, 10)
+                await asyncio.wait_for(task, 2)
+                api_server.watch_queue.put_nowait(None)  # then let the server's handler end
                 await runner.cleanup()
 
     asyncio.run(scenario())

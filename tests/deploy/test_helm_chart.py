@@ -471,8 +471,9 @@ def test_fleet_sync_watches_a_real_apiserver_with_the_charts_rbac(helm, apiserve
     kubectl(apiserver, "apply", "-f", "-", stdin=json.dumps(eslice("vllm-engines-a", [("fd00::1", "vllm-0", True),
                                                                                         ("fd00::2", "vllm-1", False)])))
     output = tmp_path / "fleet.toml"
-    api = KubeApi(server=apiserver["server"].replace("127.0.0.1", "localhost"), namespace="serving",
-                  token_file=tmp_path / "token", ca_file=next((apiserver["dir"] / "certs").glob("*.crt")))
+    # The server's self-signed chain (its cert names 127.0.0.1), checked as a pod checks ca.crt.
+    api = KubeApi(server=apiserver["server"], namespace="serving", token_file=tmp_path / "token",
+                  ca_file=apiserver["dir"] / "certs" / "apiserver.crt")
     ids = lambda: [w.id for w in parse_fleet_file(output.read_text())] if output.exists() else None  # noqa: E731
 
     async def scenario():

@@ -670,7 +670,7 @@ def test_an_engine_clock_beyond_the_bound_is_refused_not_guessed_then_judged_aga
     tick_until(lambda: out_of_bounds(kvmiss).get("w1") == 0.0, "w1 back within bounds")
     if direction > 0:
         # Set back 1.5 s, w1's clock repeats readings its batches already carry: a lookup
-        # at one of them cannot be ordered against its events (EpochView.clock_steps) until
+        # at one of them cannot be ordered against its events (EpochResidency.clock_steps) until
         # the clock passes them, plus the tail margin.
         ask("repeated-w1-B", "w1", B, engines.mark())
         while engines.clock() < set_right + OFF_S + BOUND_S + DELAY_S + 0.1:

@@ -1,7 +1,7 @@
 """Retention pruning over a long run: what a dropped record may and may not cost.
 
 Found by the soak (benchmarks/soak.py, RESULTS.md "Soak"): kvmiss keeps a Bloom filter of
-blocks whose closed residency records retention dropped (`EpochView.pruned`, 2^20 bits per
+blocks whose closed residency records retention dropped (`EpochResidency.pruned`, 2^20 bits per
 worker lifetime, never reset). A busy engine evicts hundreds of blocks a second, so the
 filter fills within minutes and answers "maybe" for most blocks.
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 import random
 
 from kvmiss.enricher.core.attribution import Attributor
-from kvmiss.enricher.core.index import PrunedFilter, ResidencyIndex
+from kvmiss.enricher.core.aged_out import AgedOutFilter
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import Label, RequestFacts
 from kvmiss.schemas.events import BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
@@ -81,7 +82,7 @@ def test_the_pruned_filter_stays_accurate_at_a_busy_engines_eviction_rate():
     ~8 min; a fixed 2^20-bit filter answered "maybe" for 5 % and then 25 % of blocks never
     dropped (turning no_match into aged-out unknowns). The scalable filter stays below 1 %."""
     rng = random.Random(1)
-    pruned = PrunedFilter()
+    pruned = AgedOutFilter()
     rates = {}
     added = 0
     for n in (100_000, 200_000, 400_000):

@@ -18,7 +18,8 @@ import tracemalloc
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.evidence import gather
-from kvmiss.enricher.core.index import PrunedFilter, ResidencyIndex
+from kvmiss.enricher.core.aged_out import AgedOutFilter
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import History, Label, Presence, RequestFacts, WindowStart
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmiss.schemas.stream import AppliedBatch, RunStart
@@ -179,7 +180,7 @@ def test_runs_and_clears_of_a_long_lifetime_are_bounded_by_the_log():
 
 
 def test_the_filter_forgets_whole_generations_only_past_the_horizon():
-    pruned = PrunedFilter(horizon_s=100.0)
+    pruned = AgedOutFilter(horizon_s=100.0)
     rng = random.Random(3)
     by_time = {}
     for at in range(0, 400, 5):

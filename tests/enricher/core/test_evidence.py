@@ -332,10 +332,10 @@ class TestSameStepCopies:
 def test_the_pruned_filter_stays_accurate_however_many_records_are_dropped():
     import random
 
-    from kvmiss.enricher.core.index import PrunedFilter
+    from kvmiss.enricher.core.aged_out import AgedOutFilter
 
     rng = random.Random(5)
-    pruned, dropped = PrunedFilter(), [rng.getrandbits(64) for _ in range(300_000)]
+    pruned, dropped = AgedOutFilter(), [rng.getrandbits(64) for _ in range(300_000)]
     for h in dropped:
         pruned.add(h)
     assert all(h in pruned for h in dropped[::97])  # no false negatives
@@ -423,11 +423,11 @@ def test_the_pruned_filter_sets_the_same_bits_in_bulk_as_one_by_one():
     import random
 
     import kvmiss.enricher.core.index as index_module
-    from kvmiss.enricher.core.index import PrunedFilter
+    from kvmiss.enricher.core.aged_out import AgedOutFilter
 
     rng = random.Random(9)
     hashes = [rng.getrandbits(64) for _ in range(200_000)] + [0, 2**64 - 1, 2**32, 2**32 - 1]
-    bulk, single = PrunedFilter(), PrunedFilter()
+    bulk, single = AgedOutFilter(), AgedOutFilter()
     for start in range(0, len(hashes), 30_001):  # chunks that straddle the stages' capacity
         bulk.add_many(hashes[start:start + 30_001])
     compiled, index_module.bloom_add = index_module.bloom_add, None  # the Python rule

@@ -30,7 +30,7 @@ def one_by_one(index, chosen, key, t, clocks):
     """The fleet view as it was: every tracked worker asked in turn (those that left the
     fleet clearly before t are not asked at all)."""
     holders, unresolved, skewed, unsettled, stepped = [], [], [], [], []
-    for worker in index.tracked:
+    for worker in sorted(index.tracked):
         if worker == chosen or index.membership.standing(worker, t) is Standing.DEPARTED:
             continue
         clock = clocks(worker) if clocks is not None else None
@@ -68,7 +68,7 @@ class RandomFleet:
         s = self.state[worker]
         self.now += rng.choice([0.1, 0.5, 1.0, 2.0])
         if rng.random() < 0.03:
-            self.now -= rng.choice([0.8, 3.0])  # the host's clock set back (EpochView.clock_steps)
+            self.now -= rng.choice([0.8, 3.0])  # the host's clock set back (EpochResidency.clock_steps)
         roll = rng.random()
         if self.churn and roll < 0.08:
             at = self.now + rng.choice([-1.0, 0.0, 0.3])

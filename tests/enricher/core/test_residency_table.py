@@ -260,17 +260,17 @@ def _event(kind: str, hashes: list[int], medium: str | None, group: int | None, 
     st.booleans(),  # with a parent (else a root store: a possible re-announcement when resident)
     st.sampled_from([16, 16, 8, 0])), max_size=8), max_size=25))  # 8: a partial-block store
 def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches):
-    """EpochView's compiled applier (any mix of media, groups and mid-batch clears) against
+    """EpochResidency's compiled applier (any mix of media, groups and mid-batch clears) against
     its own Python loop over the same tables -- fed the event Structs, and fed the packed
     events collectors/_kvwire.c reads from the same batch's payload."""
     import msgspec
 
     from kvmiss.collectors._kvwire import scan_batch
-    from kvmiss.enricher.core.index import EpochView
+    from kvmiss.enricher.core.index import EpochResidency
     from kvmiss.schemas.events import EventBatch
     from kvmiss.schemas.stream import AppliedBatch, RunStart
 
-    fast, slow, packed = EpochView("w", 0, None), EpochView("w", 0, None), EpochView("w", 0, None)
+    fast, slow, packed = EpochResidency("w", 0, None), EpochResidency("w", 0, None), EpochResidency("w", 0, None)
     slow._applier = None
     for seq, spec in enumerate(batches, start=5):
         events = [_event(*e) for e in spec]

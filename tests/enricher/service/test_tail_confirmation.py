@@ -15,7 +15,7 @@ from test_pipeline import Clock, attrs, engine_span, export_request, make, route
 from kvmiss.collectors.continuity import Apply, TailConfirmed
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.evidence import gather
-from kvmiss.enricher.core.index import EpochView, ResidencyIndex
+from kvmiss.enricher.core.index import EpochResidency, ResidencyIndex
 from kvmiss.schemas.attribution import History, Label, Presence
 from kvmiss.schemas.stream import RunStart
 
@@ -81,7 +81,7 @@ def test_a_later_batch_supersedes_the_confirmation():
 
 
 def test_a_confirmed_tail_survives_retention_dropping_the_whole_log():
-    view = EpochView("A", 0, None)
+    view = EpochResidency("A", 0, None)
     for batch in WorkerFeed("A").batches(range(0, 6)):
         view.apply(batch)
     view.prune(before_ts=1100.0)  # idle for long: every log entry is older than the horizon

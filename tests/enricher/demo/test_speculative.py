@@ -6,7 +6,7 @@ from fleet_builders import H, WorkerFeed, request
 
 from kvmiss.enricher.core.evidence import gather
 from kvmiss.enricher.core.index import ResidencyIndex
-from kvmiss.enricher.core.speculative import LatencyReservoir, SpeculativeEntries
+from kvmiss.enricher.demo.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.schemas.attribution import Presence
 
 
