@@ -384,23 +384,34 @@ class SliceWatch:
                                   resourceVersion=self.resource_version,
                                   timeoutSeconds=str(self.settings.watch_timeout_s))
         response = await self._get(session, url, self.settings.watch_timeout_s + 30)
-        async with response:
-            lines = response.content
-            pending = False
-            while not stop.is_set():
-                try:
-                    line = await asyncio.wait_for(lines.readline(),
-                                                  self.settings.settle_s if pending else None)
-                except asyncio.TimeoutError:
-                    self.write()  # the burst settled
-                    pending = False
-                    continue
-                if not line:
-                    break  # the server ended this watch (timeoutSeconds): resume from the version
-                if line.strip():
-                    pending |= self.apply(json.loads(line))
-            if pending:
-                self.write()
+        stopping = asyncio.ensure_future(stop.wait())
+        read = None
+        try:
+            async with response:
+                pending = False
+                while True:
+                    # One read outlives a settle time-out (never cancelled mid-line), and a stop
+                    # ends the wait at once: the server may send nothing for minutes.
+                    read = read or asyncio.ensure_future(response.content.readline())
+                    done, _ = await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED,
+                                                 timeout=self.settings.settle_s if pending else None)
+                    if stopping in done:
+                        break
+                    if read not in done:
+                        self.write()  # the burst settled
+                        pending = False
+                        continue
+                    line, read = read.result(), None
+                    if not line:
+                        break  # the server ended this watch (timeoutSeconds): resume from the version
+                    if line.strip():
+                        pending |= self.apply(json.loads(line))
+                if pending:
+                    self.write()
+        finally:
+            for task in (read, stopping):
+                if task is not None and not task.done():
+                    task.cancel()
 
 
 async def _sleep(stop: asyncio.Event, seconds: float) -> None:
