@@ -510,3 +510,14 @@ async def wait_for(predicate, task, timeout=30.0):
             task.result()
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.02)
+
+
+def test_the_dry_run_refuses_what_kubernetes_refuses(helm, apiserver):
+    """The check can fail: a port name over 15 characters renders (Helm knows no Kubernetes
+    rules) and is refused by the server's validation, naming the field."""
+    docs = template(helm, "dns", "ports.otlp-http-with-a-long-name.enabled=true",
+                    "ports.otlp-http-with-a-long-name.containerPort=4319", "ports.otlp-http-with-a-long-name.servicePort=4319",
+                    "ports.otlp-http-with-a-long-name.protocol=TCP")
+    result = kubectl(apiserver, "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(
+        [d for d in docs if d["kind"] == "StatefulSet"]), check=False)
+    assert result.returncode != 0 and "must be no more than 15 characters" in result.stderr, result.stderr
