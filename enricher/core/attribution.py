@@ -16,7 +16,8 @@ from kvmiss.enricher.core.divergence import diverge
 from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather, read_the_cache
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.core.verdict import attribute, missed_reusable, unsettled_lookup
+from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks, missed_reusable
+from kvmiss.enricher.core.verdict import attribute, unsettled_lookup
 from kvmiss.schemas.fleet import StreamReach
 from kvmiss.schemas.attribution import (
     AttributionRecord,
@@ -95,7 +96,7 @@ class Attributor:
         stamps = self.index.step_stamps_between(t, latest, MAX_WINDOW_STEPS)
         if stamps is None:
             return unsettled_lookup(verdict, None, latest - t)
-        blocks = facts.cached_tokens // facts.block_size + 1
+        blocks = first_miss_index(facts.cached_tokens, facts.block_size) + 1
         read_cache = read_the_cache(facts)
         kept: Verdict | None = None
         for at in (t, *(math.nextafter(stamp, math.inf) for stamp in stamps)):  # just after a batch: the next step
@@ -103,7 +104,7 @@ class Attributor:
             if (read_cache and facts.worker is not None
                     and facts.block_hashes is not None
                     and self.index.engine_would_hit(facts.worker, at, facts.block_hashes, blocks,
-                                                    (facts.prompt_tokens - 1) // facts.block_size, facts.block_size)):
+                                                    lookup_limit_blocks(facts.prompt_tokens, facts.block_size), facts.block_size)):
                 continue  # the engine would have hit the block here: not where it looked up
             if kept is None:
                 kept = judged
@@ -158,7 +159,7 @@ class Attributor:
             if cached >= b and cached // b <= len(chain):
                 self.index.confirm_re_announcement(worker, at, list(chain[:cached // b]), at)
         if admitted and facts.cached_tokens >= b and t is not None:  # (without a time: which store?)
-            self.index.confirm_re_announcement(worker, t, list(chain[:facts.cached_tokens // b]),
+            self.index.confirm_re_announcement(worker, t, list(chain[:first_miss_index(facts.cached_tokens, b)]),
                                                facts.lookup_time_latest)
 
     def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from typing import Callable, Collection, Iterable, NamedTuple
 
+from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
 from kvmiss.enricher.core.group_evidence import limiting_group_evidence
 from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochResidency, Interval, ResidencyIndex, HistoryRun
 from kvmiss.enricher.core.membership import INF, Standing
@@ -61,7 +62,7 @@ def first_miss_hash(facts: RequestFacts) -> int | None:
     chain = facts.block_hashes
     if not chain or facts.block_size <= 0:
         return None
-    i = facts.cached_tokens // facts.block_size
+    i = first_miss_index(facts.cached_tokens, facts.block_size)
     return chain[i] if 0 <= i < len(chain) else None
 
 
@@ -433,9 +434,9 @@ def _no_copy_preceded(view: EpochResidency, facts: RequestFacts, step_seq: int) 
     chain, b = facts.block_hashes, facts.block_size
     if chain is None or not read_the_cache(facts):
         return False
-    k = facts.cached_tokens // b
+    k = first_miss_index(facts.cached_tokens, b)
     also = view.stored_in_step_through(step_seq, chain[k]) if view.hybrid and k < len(chain) else None
-    return view.engine_would_hit(chain, k + 1, (facts.prompt_tokens - 1) // b, b, step_seq, assume_held=k,
+    return view.engine_would_hit(chain, k + 1, lookup_limit_blocks(facts.prompt_tokens, b), b, step_seq, assume_held=k,
                                  also_held=also)
 
 

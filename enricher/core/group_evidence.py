@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from kvmiss.enricher.core.hit_rule import window_needed
 from kvmiss.enricher.core.index import EpochResidency, Interval, HistoryRun
-from kvmiss.enricher.core.verdict import lookup_limit_tokens
+from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
 from kvmiss.schemas.attribution import Evidence, History, KVCacheGroup, Presence, RequestFacts, WindowStart
 from kvmiss.schemas.stream import RunStart
 
@@ -106,8 +106,8 @@ def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq:
     if primary.block_size not in (0, b):  # fine-grained hash units: H may sit inside a block
         return Evidence(history=History.CONTINUOUS, group=primary.idx, unmodelled=(
             f"groups of block size {primary.block_size} for requests hashed in blocks of {b}"), **base)
-    first = facts.cached_tokens // b
-    limit = min(lookup_limit_tokens(facts.prompt_tokens, b) // b, len(chain))
+    first = first_miss_index(facts.cached_tokens, b)
+    limit = min(lookup_limit_blocks(facts.prompt_tokens, b), len(chain))
     run_end = first
     for at in fates(view, primary.idx, chain[first:limit], step_seq, run):
         if at.fate is not Fate.HELD:

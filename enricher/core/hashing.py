@@ -114,23 +114,6 @@ def external_hash(digest: bytes) -> int:
     return canonical_hash(digest)
 
 
-def lookup_limit_tokens(num_prompt_tokens: int, block_size: int) -> int:
-    """Most prompt tokens vLLM will serve from cache: whole blocks within ``N - 1`` tokens.
-
-    The last prompt token is always recomputed (its logits are needed), so a prompt of
-    exactly ``k`` blocks can hit at most ``k - 1`` of them. Returns tokens; 0 for ``N == 0``.
-    """
-    return max(0, (num_prompt_tokens - 1) // block_size) * block_size
-
-
-def max_cache_hit_tokens(num_prompt_tokens: int, block_size: int, num_cached_blocks: int) -> int:
-    """Tokens vLLM reports as cached when the first ``num_cached_blocks`` blocks are resident.
-
-    Full-attention models only; ignores the EAGLE/MTP rule that drops the last matched block.
-    """
-    return min(num_cached_blocks * block_size, lookup_limit_tokens(num_prompt_tokens, block_size))
-
-
 @dataclass(frozen=True, slots=True)
 class LoraRef:
     """The LoRA adapter of a request. ``path`` is hashed only by tagged (0.31+) keys."""

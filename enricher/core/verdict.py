@@ -39,6 +39,7 @@ import datetime
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_tokens, missed_reusable
 from kvmiss.schemas.fleet import Reach, StreamReach
 from kvmiss.schemas.attribution import (
     ClockOffset,
@@ -65,19 +66,6 @@ _FAILED_TRANSFER = {
     TransferResult.TIMEOUT: "timed out",
     TransferResult.STALE: "hit stale ownership",
 }
-
-
-def lookup_limit_tokens(prompt_tokens: int, block_size: int) -> int:
-    """L: the most tokens the engine can ever serve from cache (it recomputes the last one)."""
-    if prompt_tokens <= 0:
-        return 0
-    return (prompt_tokens - 1) // block_size * block_size
-
-
-def missed_reusable(prompt_tokens: int, cached_tokens: int, block_size: int) -> bool:
-    """Whether the request missed a reusable block (C < L): only then is there a first-miss
-    block for the index to judge (``hit`` and ``lookup_limit`` need no index)."""
-    return block_size > 0 and cached_tokens < lookup_limit_tokens(prompt_tokens, block_size)
 
 
 def failed_transfer(transfers: Iterable[TransferAttempt]) -> TransferAttempt | None:
@@ -124,7 +112,7 @@ def attribute(
             return _verdict(Label.HIT, "the engine reused beyond its lookup limit: nothing missed")
         return _verdict(Label.HIT, "every reusable prompt block was served from the prefix cache")
 
-    block = c // b
+    block = first_miss_index(c, b)
     chain = facts.block_hashes
     first_miss = chain[block] if chain is not None and block < len(chain) else None
     known: dict[str, Any] = {

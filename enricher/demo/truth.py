@@ -14,7 +14,7 @@ import enum
 
 import msgspec
 
-from kvmiss.enricher.core.hashing import lookup_limit_tokens
+from kvmiss.enricher.core.geometry import lookup_limit_tokens
 from kvmiss.enricher.core.index import GPU, ResidencyIndex
 from kvmiss.schemas.attribution import Label
 from kvmiss.schemas.labels import UNKNOWN_LABELS

@@ -31,6 +31,8 @@ from typing import Iterable, Sequence
 
 import msgspec
 
+from kvmiss.enricher.core.geometry import lookup_limit_blocks
+
 DEFAULT_SCALES = (1.0, 1.25, 1.5, 2.0, 4.0, 8.0)
 # At the recorded size, a replay in which more than this share of admissions found too few
 # free blocks ran where admission waits decide the schedule: its estimates for other sizes
@@ -119,7 +121,7 @@ class BlockPoolModel:
     def admit(self, request: PoolRequest) -> tuple[int, list[int]]:
         """(predicted cached tokens, the request's blocks in chain order)."""
         size = self.block_size
-        limit = max(0, (request.prompt_tokens - 1) // size)
+        limit = lookup_limit_blocks(request.prompt_tokens, size)
         hits: list[int] = []
         for block_hash in request.chain[:limit]:
             holders = self.blocks_of.get(block_hash)

@@ -55,6 +55,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_tokens  # stdlib-only, like this module
+
 # A child of vLLM's logger: vLLM configures its handler, so lines appear in its log format.
 log = logging.getLogger("vllm.plugins.kvmiss")
 
@@ -163,12 +165,11 @@ def lookup_attributes(record: LookupRecord, *, block_size: int, dp_rank: int | N
         attrs[ATTR_EARLIER_LOOKUP_TIMES] = [start for start, _ in record.earlier]
         attrs[ATTR_EARLIER_LOOKUP_CACHED] = [cached for _, cached in record.earlier]
     if block_size > 0 and record.block_hashes is not None:
-        wanted = record.cached_tokens // block_size + 1
-        limit = (record.num_tokens - 1) // block_size * block_size
-        if record.cached_tokens >= limit:
-            wanted = record.cached_tokens // block_size if record.report_mode == "full" else 0
+        wanted = first_miss_index(record.cached_tokens, block_size) + 1
+        if record.cached_tokens >= lookup_limit_tokens(record.num_tokens, block_size):
+            wanted = first_miss_index(record.cached_tokens, block_size) if record.report_mode == "full" else 0
         # the chains an earlier lookup re-announced are read from this one too
-        wanted = max([wanted, *(cached // block_size for _, cached in record.earlier)])
+        wanted = max([wanted, *(first_miss_index(cached, block_size) for _, cached in record.earlier)])
         if 0 < wanted <= MAX_CHAIN_BLOCKS:
             chain = record.block_hashes[:wanted]  # atomic slice of an append-only list
             if chain:

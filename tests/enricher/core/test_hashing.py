@@ -20,9 +20,8 @@ from kvmiss.enricher.core.hashing import (
     MMItem,
     RequestExtras,
     external_hash,
-    lookup_limit_tokens,
-    max_cache_hit_tokens,
 )
+from kvmiss.enricher.core.geometry import lookup_limit_tokens, max_cache_hit_tokens
 
 VECTORS = "vllm-0.33.0-hash-vectors.json"
 FRAMES = "vllm-0.33.0-event-frames.json"

@@ -11,7 +11,8 @@ import math
 import msgspec
 import pytest
 
-from kvmiss.enricher.core.verdict import attribute, lookup_limit_tokens
+from kvmiss.enricher.core.geometry import lookup_limit_tokens
+from kvmiss.enricher.core.verdict import attribute
 from kvmiss.schemas.attribution import (
     LABEL_OWNER,
     ClockOffset,
