@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Protocol
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvmiss.enricher.core.attribution import Attributor
-from kvmiss.enricher.core.membership import Standing
+from kvmiss.enricher.core.history_reach import HistoryReach
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.verdict import needs_index
 from kvmiss.enricher.otlp.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
@@ -171,8 +171,7 @@ class Pipeline:
         self._traces: dict[bytes, dict[str | None, Assembly]] = {}
         self._open: collections.deque[Assembly] = collections.deque()  # in arrival order
         self._ready: list[tuple[Assembly, RequestFacts, float]] = []  # waiting for history
-        self._reach: list[tuple[float, str]] | None = None  # per poll: see `_fleet_reach`
-        self._joining: list[str] = []  # per poll, beside it: see `_fleet_reach`
+        self._reach: HistoryReach | None = None  # per poll: see `_history_reached`
         # So that a span arriving after its request was judged is not judged again: kept
         # while a partner may still come (the other side's spans up to assemble_wait_s late).
         self._judged = self.stats.judged = JudgedRequests(keep_s=2 * assemble_wait_s + history_wait_s)
@@ -428,61 +427,17 @@ class Pipeline:
         known[worker] = now
 
     def _history_reached(self, facts: RequestFacts) -> bool:
-        """Whether waiting longer could not change the evidence: the chosen worker's history
-        reaches the lookup time (a batch stamped at or after it, or a confirmed idle tail), and
-        so does every other tracked worker that still may -- one behind t could have held the
-        first-miss block, which leaves every label below routing_miss unprovable. A request
-        that missed nothing reusable needs no fleet view. A worker that has proven nothing for
-        more than the wait before t (down, or far behind) is not waited for: the wait would
-        not help; nor is one that departed the fleet (its stream is gone). A worker that joined
-        within the wait and has no history yet is waited for where it counts at t."""
+        """Whether waiting longer could not change the evidence (`HistoryReach.reached`); a
+        request that missed nothing reusable needs no fleet view. The index is read once per
+        round (``_reach``, dropped whenever it may have moved on)."""
         if not needs_index(facts.prompt_tokens, facts.cached_tokens, facts.block_size, facts.transfers):
             return True  # hit, lookup_limit, or proven by its own spans: no index needed
-        index, t = self.attributor.index, facts.lookup_time
+        t = facts.lookup_time
         if t is not None and facts.lookup_time_latest is not None and facts.lookup_time_latest > t:
             t = facts.lookup_time_latest  # the verdict must hold at every step up to it
-        views = index.views(facts.worker) if facts.worker else []
-        if not views or t is None or not index.reaches(views[0], t):
-            return False
-        if index.membership.known_through < t + index.membership.band_s:
-            # A change the router made before t is seen at most a band late: until the sources
-            # were asked that long after t, the fleet at t may not be the one kvmiss holds.
-            return False
-        reach = self._fleet_reach()
-        if self._joining:
-            standing = index.membership.standing
-            for worker in self._joining:
-                if worker != facts.worker and standing(worker, t) is not Standing.DEPARTED:
-                    return False
-        for through, worker in reach:  # least advanced first
-            if worker == facts.worker:
-                continue
-            if through >= t:
-                return True
-            if through >= t - self.history_wait_s:
-                return False
-        return True
-
-    def _fleet_reach(self) -> list[tuple[float, str]]:
-        """(engine time history is proven through, worker) of every tracked worker's current
-        lifetime whose epoch is established, and that has not departed the fleet, least
-        advanced first; once per poll. Beside it, ``_joining``: members a source announced
-        less than the wait ago whose history has not begun (their stream is connecting or
-        replaying): an unresolved holder each, for which a wait may well help."""
         if self._reach is None:
-            index = self.attributor.index
-            membership = index.membership
-            margin, departed = index.tail_margin_s, membership.departed
-            self._reach = sorted(
-                (through, worker) for worker, view in index.current.items()
-                if view.epoch_certain and worker not in departed
-                and (through := view.reached_through(margin)) is not None)
-            now, current = self.clock(), index.current
-            self._joining = [
-                worker for worker in membership.specs
-                if worker not in current and (at := membership.joined_at(worker)) is not None
-                and now - at < self.history_wait_s] if membership.specs else []
-        return self._reach
+            self._reach = HistoryReach(self.attributor.index, now=self.clock(), wait_s=self.history_wait_s)
+        return self._reach.reached(facts.worker, t)
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
         verdict = self.attributor.attribute(facts)
