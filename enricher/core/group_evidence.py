@@ -29,20 +29,11 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-from kvmiss.enricher.core.hit_rule import window_needed
+from kvmiss.enricher.core.hit_rule import kind_name, rule_for
 from kvmiss.enricher.core.index import EpochResidency, Interval, HistoryRun
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
 from kvmiss.schemas.attribution import Evidence, History, KVCacheGroup, Presence, RequestFacts, WindowStart
 from kvmiss.schemas.stream import RunStart
-
-# vLLM's KVCacheSpecKind values: the only wire strings a reason may repeat (others could
-# carry anything).
-KNOWN_KINDS = frozenset({
-    "full_attention", "mla_attention", "sliding_window", "sliding_window_mla", "mamba",
-    "chunked_local_attention", "sink_full_attention", "encoder_only_attention", "cross_attention",
-    "unknown",
-})
-
 
 class Fate(enum.Enum):
     """A block of one group at the lookup time."""
@@ -58,13 +49,6 @@ class BlockAt(NamedTuple):
     fate: Fate
     interval: Interval | None = None
     history: History | None = None  # why UNPLACED
-
-
-def kind_name(group: KVCacheGroup | None) -> str:
-    """A group's kind as a reason may show it."""
-    if group is None or group.kind is None:
-        return "an unannounced kind"
-    return group.kind if group.kind in KNOWN_KINDS else "a kind this release does not know"
 
 
 def fates(view: EpochResidency, group: int, keys: list[int], step_seq: int, run: HistoryRun) -> list[BlockAt]:
@@ -118,16 +102,10 @@ def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq:
     others = sorted((g for g in {t.group for t in view.tiers if t.medium == "GPU"} if g != primary.idx))
     failing: list[tuple[int, list[BlockAt]]] = []
     for idx in others:
-        group = view.groups.get(idx)
-        need = group.window_blocks if group is not None else None
-        if need is None:
-            return Evidence(history=History.CONTINUOUS, group=idx,
-                            unmodelled=f"a {kind_name(group)} group", **base)
-        if group.block_size != b:  # type: ignore[union-attr]
-            return Evidence(history=History.CONTINUOUS, group=idx, unmodelled=(
-                f"groups of block size {group.block_size} for requests hashed in blocks of {b}"), **base)  # type: ignore[union-attr]
-        window = window_needed(run_end, need)
-        found = fates(view, idx, [chain[i] for i in window], step_seq, run)
+        rule = rule_for(view.groups.get(idx), b)
+        if not rule.modelled:
+            return Evidence(history=History.CONTINUOUS, group=idx, unmodelled=rule.reason, **base)
+        found = fates(view, idx, [chain[i] for i in rule.needed(run_end)], step_seq, run)
         if any(at.fate is not Fate.HELD for at in found):
             failing.append((idx, found))
     if not failing:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvmiss.schemas.attribution import KVCacheGroup
+from kvmiss.schemas.attribution import FULL_ATTENTION_KINDS, WINDOW_KINDS, KVCacheGroup
 
 Resident = Callable[[int, int], bool]  # (group index, block index) -> cached at lookup
 
@@ -58,14 +58,96 @@ def window_needed(hit_blocks: int, need: int) -> range:
     return range(max(0, hit_blocks - need), hit_blocks)
 
 
+# vLLM's KVCacheSpecKind values: the only wire strings a reason may repeat (others could
+# carry anything).
+KNOWN_KINDS = frozenset({
+    "full_attention", "mla_attention", "sliding_window", "sliding_window_mla", "mamba",
+    "chunked_local_attention", "sink_full_attention", "encoder_only_attention", "cross_attention",
+    "unknown",
+})
+
+
+def kind_name(group: KVCacheGroup | None) -> str:
+    """A group's kind as a reason may show it."""
+    if group is None or group.kind is None:
+        return "an unannounced kind"
+    return group.kind if group.kind in KNOWN_KINDS else "a kind this release does not know"
+
+
+class GroupRule:
+    """How one KV-cache group decides a hit, as vLLM's per-kind manager does. ``modelled``
+    False: kvmiss does not know the rule (``reason`` says which group), and no label may rest
+    on it."""
+
+    modelled = True
+    reason: str | None = None
+
+    def hit(self, resident: Callable[[int], bool], max_blocks: int) -> int:
+        """Blocks of the group's longest hit of at most ``max_blocks``."""
+        raise NotImplementedError
+
+    def needed(self, hit_blocks: int) -> range:
+        """The blocks the group needs cached to accept a hit of ``hit_blocks`` blocks."""
+        raise NotImplementedError
+
+
+class FullAttentionRule(GroupRule):
+    def hit(self, resident: Callable[[int], bool], max_blocks: int) -> int:
+        return full_attention_hit(resident, max_blocks)
+
+    def needed(self, hit_blocks: int) -> range:
+        return range(hit_blocks)
+
+
+class SlidingWindowRule(GroupRule):
+    def __init__(self, need: int):
+        self.need = need  # contiguous blocks a hit needs: cdiv(W - 1, B)
+
+    def hit(self, resident: Callable[[int], bool], max_blocks: int) -> int:
+        return window_hit(resident, max_blocks, self.need)
+
+    def needed(self, hit_blocks: int) -> range:
+        return window_needed(hit_blocks, self.need)
+
+
+class UnmodelledRule(GroupRule):
+    modelled = False
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def hit(self, resident: Callable[[int], bool], max_blocks: int) -> int:
+        raise ValueError(f"the hit rule of {self.reason} is not modelled")
+
+    def needed(self, hit_blocks: int) -> range:
+        raise ValueError(f"the hit rule of {self.reason} is not modelled")
+
+
+def _window_rule(group: KVCacheGroup) -> GroupRule:
+    need = group.window_blocks
+    return SlidingWindowRule(need) if need is not None else UnmodelledRule(f"a {kind_name(group)} group")
+
+
+# Kind -> the rule's maker: adding a kind means one class and one entry here.
+RULES: dict[str, Callable[[KVCacheGroup], GroupRule]] = {
+    **{kind: (lambda group: FullAttentionRule()) for kind in FULL_ATTENTION_KINDS},
+    **{kind: _window_rule for kind in WINDOW_KINDS},
+}
+
+
+def rule_for(group: KVCacheGroup | None, block_size: int | None = None) -> GroupRule:
+    """The group's rule; unmodelled for a kind without one, and (``block_size`` given) for a
+    group hashed in other blocks than the request (H may sit inside one of them)."""
+    make = RULES.get(group.kind) if group is not None and group.kind is not None else None
+    rule = make(group) if make is not None else UnmodelledRule(f"a {kind_name(group)} group")
+    if rule.modelled and block_size is not None and group.block_size != block_size:
+        return UnmodelledRule(f"groups of block size {group.block_size} for requests hashed in blocks of {block_size}")
+    return rule
+
+
 def group_hit(group: KVCacheGroup, resident: Callable[[int], bool], max_blocks: int) -> int:
     """One group's longest hit of at most ``max_blocks`` blocks (a modelled kind only)."""
-    if group.full_attention:
-        return full_attention_hit(resident, max_blocks)
-    need = group.window_blocks
-    if need is None:
-        raise ValueError(f"the hit rule of KV-cache group kind {group.kind!r} is not modelled")
-    return window_hit(resident, max_blocks, need)
+    return rule_for(group).hit(resident, max_blocks)
 
 
 def ordered(groups: Sequence[KVCacheGroup]) -> list[KVCacheGroup]:

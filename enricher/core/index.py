@@ -42,7 +42,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 from kvmiss.collectors.engines import canonical_medium  # each engine's medium spellings
 from kvmiss.enricher.core.aged_out import AgedOutFilter
 from kvmiss.enricher.core.divergence import SiblingRegistry
-from kvmiss.enricher.core.hit_rule import hybrid_hit, window_needed
+from kvmiss.enricher.core.hit_rule import hybrid_hit, rule_for, window_needed
 from kvmiss.enricher.core.membership import Joined, Membership
 from kvmiss.enricher.core.residency_table import (
     SEQ_SPAN, Applier, BlockTable, bisect_left, bloom_add, warn_if_not_accelerated,
@@ -825,8 +825,7 @@ class EpochResidency:
                 held[assume_held] = True
             return all(held)
         groups = [self.groups.get(t.group) for t in self.tiers if t.medium == GPU]
-        if any(g is None or g.block_size != block_size or (not g.full_attention and g.window_blocks is None)
-               for g in groups):
+        if not all(rule_for(g, block_size).modelled for g in groups):
             return False
         held = {g.idx: self.held(g.idx, chain[:limit], step_seq) for g in groups}  # type: ignore[union-attr]
         if assume_held is not None and 0 <= assume_held < limit and self.primary_group in held:
