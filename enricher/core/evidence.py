@@ -41,7 +41,9 @@ from typing import Callable, Collection, Iterable, NamedTuple
 
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
 from kvmiss.enricher.core.group_evidence import limiting_group_evidence
-from kvmiss.enricher.core.index import GPU, TAIL_MARGIN_S, EpochResidency, Interval, ResidencyIndex, HistoryRun
+from kvmiss.enricher.core.epoch_residency import EpochResidency
+from kvmiss.enricher.core.index import TAIL_MARGIN_S, ResidencyIndex
+from kvmiss.enricher.core.residency_types import GPU, HistoryRun, Interval
 from kvmiss.enricher.core.membership import INF, Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
 from kvmiss.schemas.attribution import (

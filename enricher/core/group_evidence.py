@@ -30,7 +30,8 @@ import enum
 from typing import Any, NamedTuple
 
 from kvmiss.enricher.core.hit_rule import kind_name, rule_for
-from kvmiss.enricher.core.index import EpochResidency, Interval, HistoryRun
+from kvmiss.enricher.core.epoch_residency import EpochResidency
+from kvmiss.enricher.core.residency_types import HistoryRun, Interval
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
 from kvmiss.schemas.attribution import Evidence, History, KVCacheGroup, Presence, RequestFacts, WindowStart
 from kvmiss.schemas.stream import RunStart

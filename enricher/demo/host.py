@@ -32,7 +32,8 @@ from kvmiss.collectors.continuity import (
     Apply, EpochUncertain, Hole, NewEpoch, Quarantine, Release, StreamAction,
 )
 from kvmiss.collectors.recording import RecordingWriter
-from kvmiss.enricher.core.index import GPU, canonical_medium
+from kvmiss.collectors.engines import canonical_medium
+from kvmiss.enricher.core.residency_types import GPU
 from kvmiss.enricher.demo.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.attribution import AttributionRecord, RequestFacts, Verdict

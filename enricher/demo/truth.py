@@ -15,7 +15,8 @@ import enum
 import msgspec
 
 from kvmiss.enricher.core.geometry import lookup_limit_tokens
-from kvmiss.enricher.core.index import GPU, ResidencyIndex
+from kvmiss.enricher.core.index import ResidencyIndex
+from kvmiss.enricher.core.residency_types import GPU
 from kvmiss.schemas.attribution import Label
 from kvmiss.schemas.labels import UNKNOWN_LABELS
 from kvmiss.schemas.stream import RunStart

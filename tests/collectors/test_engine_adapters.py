@@ -81,7 +81,7 @@ def test_canonical_medium_reads_every_engines_spellings_as_the_index_did():
     spelled = [None, "GPU", "gpu", "CPU", "cpu", "CPU_PINNED", "STORAGE", "DISK", "disk", "EXTERNAL", "nvme"]
     assert [canonical_medium(m) for m in spelled] == [
         "GPU", "GPU", "GPU", "CPU", "CPU", "CPU", "STORAGE", "STORAGE", "STORAGE", "EXTERNAL", "NVME"]
-    from kvmiss.enricher.core.index import canonical_medium as in_index
+    from kvmiss.enricher.core.epoch_residency import canonical_medium as in_index
     assert in_index is canonical_medium  # the index uses this one, no copy of its own
     assert engines._MEDIA == {**VLLM.media, **SGLANG.media}
 

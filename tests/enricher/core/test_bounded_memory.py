@@ -229,7 +229,7 @@ def test_a_flood_of_kv_cache_group_ids_is_refused_past_the_cap_and_quarantines_u
     most `MAX_TIERS` tables (and a bounded cache of spellings); the rest is refused, counted,
     and -- since what those events did is missing -- the worker proves nothing from that batch
     until a cache clear: its requests are unknown_history (quarantined), never a label."""
-    from kvmiss.enricher.core.index import MAX_TIERS
+    from kvmiss.enricher.core.epoch_residency import MAX_TIERS
 
     index = ResidencyIndex(["w0"], retention_s=30.0, aged_out_horizon_s=120.0)
     engine = SteadyEngine(index, hz=5, per_step=40, resident=1024)

@@ -8,7 +8,8 @@ from fleet_builders import PARENT, H, WorkerFeed, cleared, removed, request, sto
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.evidence import gather
-from kvmiss.enricher.core.index import ResidencyIndex, canonical_medium
+from kvmiss.collectors.engines import canonical_medium
+from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import ClockOffset, History, Label, Presence, WindowStart
 from kvmiss.schemas.stream import RunStart
 
@@ -422,7 +423,7 @@ def test_the_pruned_filter_sets_the_same_bits_in_bulk_as_one_by_one():
     boundaries where a full stage is followed by a larger one."""
     import random
 
-    import kvmiss.enricher.core.index as index_module
+    import kvmiss.enricher.core.aged_out as aged_out_module
     from kvmiss.enricher.core.aged_out import AgedOutFilter
 
     rng = random.Random(9)
@@ -430,12 +431,12 @@ def test_the_pruned_filter_sets_the_same_bits_in_bulk_as_one_by_one():
     bulk, single = AgedOutFilter(), AgedOutFilter()
     for start in range(0, len(hashes), 30_001):  # chunks that straddle the stages' capacity
         bulk.add_many(hashes[start:start + 30_001])
-    compiled, index_module.bloom_add = index_module.bloom_add, None  # the Python rule
+    compiled, aged_out_module.bloom_add = aged_out_module.bloom_add, None  # the Python rule
     try:
         for h in hashes:
             single.add(h)
     finally:
-        index_module.bloom_add = compiled
+        aged_out_module.bloom_add = compiled
     assert bulk.count == single.count == len(hashes)
     (bulk_gen,), (single_gen,) = bulk._generations, single._generations
     assert [(s.count, s.bits) for s in bulk_gen.stages] == [(s.count, s.bits) for s in single_gen.stages]

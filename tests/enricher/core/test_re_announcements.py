@@ -336,9 +336,9 @@ def test_a_request_looked_up_twice_before_admission_confirms_both_re_announcemen
 def test_the_steps_kept_in_order_are_a_hybrids_only_and_bounded(monkeypatch):
     """A single-group engine keeps none (its rule needs no step order); a hybrid at most
     `MAX_COPY_STEPS`, the oldest dropped first (such a step keeps its doubt)."""
-    from kvmiss.enricher.core import index as index_module
+    from kvmiss.enricher.core import uncounted_stores as uncounted_module
 
-    monkeypatch.setattr(index_module, "MAX_COPY_STEPS", 3)
+    monkeypatch.setattr(uncounted_module, "MAX_COPY_STEPS", 3)
     index, a = ResidencyIndex(), WorkerFeed("A")
     feed(index, a, {s: [stored(H + s), stored(H + s)] for s in range(2, 8)})
     assert index.views("A")[0].copy_steps == {}

@@ -266,7 +266,7 @@ def test_the_compiled_event_loop_applies_batches_as_the_python_one_does(batches)
     import msgspec
 
     from kvmiss.collectors._kvwire import scan_batch
-    from kvmiss.enricher.core.index import EpochResidency
+    from kvmiss.enricher.core.epoch_residency import EpochResidency
     from kvmiss.schemas.events import EventBatch
     from kvmiss.schemas.stream import AppliedBatch, RunStart
 
