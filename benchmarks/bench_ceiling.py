@@ -375,7 +375,7 @@ def run_point(profile: str, n: int, args, rate: float | None = None) -> dict:
                 break
             except OSError:
                 if serve.poll() is not None:
-                    raise RuntimeError(f"kvmiss serve exited {serve.returncode}: {(work / 'serve.log').read_text()[-2000:]}")
+                    raise RuntimeError(f"kvmiss serve exited {serve.returncode}: {(work / 'serve.log').read_text()[-2000:]}")  # noqa: B904
                 time.sleep(0.1)
         population = {}
         if args.populate >= 64:

@@ -41,8 +41,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import tracemalloc
 import time
+import tracemalloc
 import urllib.request
 from pathlib import Path
 
@@ -90,14 +90,12 @@ def churning(t: float, phase_s: float) -> bool:
 
 
 def driver(args: argparse.Namespace) -> int:
-    import random
 
     import zmq
 
     from kvmiss.enricher.demo.publisher import BlockRemoved, BlockStored, EventBatch, Publisher
 
     ctx = zmq.Context()
-    rng = random.Random(24)
     engines: dict[str, Publisher] = {}
     resident: dict[str, list[int]] = {}
     serial = 0
@@ -230,7 +228,7 @@ poll_interval_s = 0.25
                 snapshots.append(tracemalloc.take_snapshot())
             try:
                 await asyncio.wait_for(stop.wait(), 10.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def scrape() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from array import array
 import tracemalloc
+from array import array
 
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.config import WorkerSpec

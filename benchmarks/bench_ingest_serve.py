@@ -167,7 +167,7 @@ def run_once(args, target: str = "kvmiss") -> dict:
                 break
             except OSError:
                 if serve.poll() is not None:
-                    raise RuntimeError(f"kvmiss serve exited: {(work / 'serve.log').read_text()[-800:]}")
+                    raise RuntimeError(f"kvmiss serve exited: {(work / 'serve.log').read_text()[-800:]}")  # noqa: B904
                 time.sleep(0.1)
         time.sleep(0.5)  # the SUB connects and subscribes
         if args.scrape_hz:

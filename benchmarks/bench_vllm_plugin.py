@@ -101,13 +101,13 @@ def isolated() -> tuple[float, float]:
 def real_vllm():
     try:
         import torch
+        import vllm
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.request import Request
-        import vllm
     except ImportError:
         return None
     init_none_hash(sha256)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 

@@ -407,7 +407,7 @@ class Generator:
                     async with session.post(url, data=body, headers=headers) as response:
                         await response.read()
                         status, retry_after = response.status, response.headers.get("Retry-After")
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                except (TimeoutError, aiohttp.ClientError, OSError):
                     self.errors += 1
                     await asyncio.sleep(1.0)
                     continue

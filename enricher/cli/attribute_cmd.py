@@ -15,9 +15,13 @@ import sys
 
 from kvmiss.collectors.recording import ReadStats, RecordingError
 from kvmiss.enricher.core.privacy import DigestKeyError, load_digest_key
-from kvmiss.enricher.service.offline import attribute_requests, index_from_recording, read_requests, workers_in_recording
+from kvmiss.enricher.service.offline import (
+    attribute_requests,
+    index_from_recording,
+    read_requests,
+    workers_in_recording,
+)
 from kvmiss.schemas.config import ConfigError, load_config
-
 
 # Shown under `kvmiss attribute --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\

@@ -21,7 +21,6 @@ from typing import IO, Any
 
 import msgspec
 
-
 # Shown under `kvmiss collect --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
 input:    --config FILE: kvmiss.toml (its [[workers]] and [fleet] say what to subscribe to)

@@ -16,7 +16,6 @@ import argparse
 import json
 import sys
 
-
 # Shown under `kvmiss demo --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
 input:    none: a simulated fleet and workload built in (shaped by the flags below)

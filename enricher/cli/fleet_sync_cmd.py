@@ -67,7 +67,14 @@ def rendering_from(args):
 
 def run(args: argparse.Namespace) -> int:
     from kvmiss.collectors.endpointslices import (
-        SERVICE_ACCOUNT_DIR, KubeApi, WatchSettings, render_fleet, slices_of, watch, write_fleet)
+        SERVICE_ACCOUNT_DIR,
+        KubeApi,
+        WatchSettings,
+        render_fleet,
+        slices_of,
+        watch,
+        write_fleet,
+    )
     from kvmiss.schemas.config import ConfigError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,6 @@ from kvmiss.collectors.replay_window import (
     window_lasts_s,
 )
 
-
 # Shown under `kvmiss replay-size --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
 input:    --peak-batches-per-s N, or --recording FILE from `kvmiss collect --record`

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 # Shown under `kvmiss report --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
 input:    --records FILE: attribution records (`kvmiss attribute` output), or --spans FILE: enriched

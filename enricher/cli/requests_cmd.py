@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-from typing import IO, Iterator
-
+from collections.abc import Iterator
+from typing import IO
 
 # Shown under `kvmiss requests --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\

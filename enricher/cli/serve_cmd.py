@@ -14,7 +14,6 @@ import asyncio
 import gc
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -138,13 +137,13 @@ def _check(config, processes: int = 1) -> int:
     """What `serve` would run, from the validated config, and whether it would start: the
     destination writable, every listen port free (bound for a moment), every host resolved
     (a worker's that does not is a warning). Never prints the key."""
-    from kvmiss.enricher.service.preflight import Finding
     from google.protobuf.internal import api_implementation
 
+    from kvmiss.collectors.frames import READER_COMPILED
     from kvmiss.enricher.core.privacy import DigestKeyError, load_digest_key
     from kvmiss.enricher.core.residency_table import ACCELERATED
     from kvmiss.enricher.otlp.spans import WIRE_SCAN
-    from kvmiss.collectors.frames import READER_COMPILED
+    from kvmiss.enricher.service.preflight import Finding
 
     privacy = config.privacy
     if privacy.digest_key or privacy.digest_key_env:

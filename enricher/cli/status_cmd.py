@@ -81,7 +81,7 @@ def render(answer: dict) -> str:
     rows = [("worker", "stream", "cursor", "batches", "since", "endpoint / why not")]
     for worker, entry in detail.items():
         since = entry.get("since")
-        when = "" if since is None else datetime.datetime.fromtimestamp(since, datetime.timezone.utc).strftime("%H:%M:%SZ")
+        when = "" if since is None else datetime.datetime.fromtimestamp(since, datetime.UTC).strftime("%H:%M:%SZ")
         why = entry.get("endpoint", "")
         if entry.get("cause"):
             why += f"  {entry['cause']}: {entry.get('detail') or ''}"

@@ -23,7 +23,6 @@ from kvmiss.enricher.service.offline import BadRequestLine, read_requests, worke
 from kvmiss.schemas.config import ConfigError, load_config
 from kvmiss.schemas.events import BlockStored
 
-
 # Shown under `kvmiss whatif --help`: what it reads, in one schema line, and one example.
 HELP_INPUT = """\
 input:    --events FILE from `kvmiss collect --record`; --requests FILE: request records with

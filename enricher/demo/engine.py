@@ -27,8 +27,8 @@ deterministic given the clock; no sockets (the run loop hands batches to a `Publ
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvmiss.enricher.demo.publisher import BlockRemoved, BlockStored, EventBatch, WireEvent
 from kvmiss.enricher.demo.truth import LookupTruth

@@ -23,16 +23,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
 from kvmiss.collectors.continuity import (
-    Apply, EpochUncertain, Hole, NewEpoch, Quarantine, Release, StreamAction,
+    Apply,
+    EpochUncertain,
+    Hole,
+    NewEpoch,
+    Quarantine,
+    Release,
+    StreamAction,
 )
-from kvmiss.collectors.recording import RecordingWriter
 from kvmiss.collectors.engines import canonical_medium
+from kvmiss.collectors.recording import RecordingWriter
 from kvmiss.enricher.core.residency_types import GPU
 from kvmiss.enricher.demo.speculative import LatencyReservoir, SpeculativeEntries
 from kvmiss.enricher.service.serve import Service
@@ -113,7 +120,10 @@ class Speculation:
         with self._lock:
             e = self.entries
             p50, p95, p99 = e.latency.percentiles(0.5, 0.95, 0.99)
-            ms = (lambda v: None if v is None else round(v * 1000, 1))
+
+            def ms(v: float | None) -> float | None:
+                return None if v is None else round(v * 1000, 1)
+
             return {"p50_ms": ms(p50), "p95_ms": ms(p95), "p99_ms": ms(p99),
                     "entered": e.entered, "confirmed": e.confirmed, "expired": e.expired,
                     "pending": e.entered - e.confirmed - e.expired, "ttl_s": e.ttl_s,

@@ -31,13 +31,13 @@ import zmq
 from kvmiss.enricher.demo.emit import SpanEmitter
 from kvmiss.enricher.demo.engine import SimRequest
 from kvmiss.enricher.demo.faults import FAULTS, FaultRunner, SimWorker, plan_faults
-from kvmiss.enricher.estimates.whatif import LADDER, ladder_label
 from kvmiss.enricher.demo.host import ASSEMBLE_WAIT_S, HISTORY_WAIT_S, KvmissHost, Speculation, demo_config
 from kvmiss.enricher.demo.report import UNKNOWN_BUDGET, DemoReport
 from kvmiss.enricher.demo.router import Router
 from kvmiss.enricher.demo.timeline import StreamNarrator, report_context
 from kvmiss.enricher.demo.truth import Agreement, holder_as_seen, judge, truth_label
 from kvmiss.enricher.demo.workload import Workload
+from kvmiss.enricher.estimates.whatif import LADDER, ladder_label
 from kvmiss.enricher.report import SpanFileTail, load_spans, write_report
 from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict

@@ -8,7 +8,8 @@ stream health, ground truth -- into the JSON that `kvmiss report --context` read
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvmiss.enricher.demo.faults import FaultRunner
 from kvmiss.enricher.demo.host import Speculation, StreamLog

@@ -27,7 +27,7 @@ Pure: requests in, predictions out; no clock, no I/O.
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 

@@ -33,7 +33,6 @@ from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 from kvmiss.schemas.labels import LABELS
 from kvmiss.schemas.prompt import ExtraKeysSpec
 
-
 _extra_keys_decoder = msgspec.json.Decoder(ExtraKeysSpec)
 
 

@@ -34,7 +34,7 @@ import random
 import ssl
 import time
 import zlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 try:  # ISA-L's deflate: the same gzip bytes' worth at ~7x zlib's speed (benchmarks/RESULTS.md)
     from isal.isal_zlib import compress as _gzip_compress
@@ -51,8 +51,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from kvmiss.enricher.otlp.interfaces import (EncodedRequest, ExportResult, OtlpRequest, Outcome, TracesExporter,
-                                             request_bytes, request_message, span_count)
+from kvmiss.enricher.otlp.interfaces import (
+    EncodedRequest,
+    ExportResult,
+    OtlpRequest,
+    Outcome,
+    TracesExporter,
+    request_bytes,
+    request_message,
+    span_count,
+)
 from kvmiss.schemas.config import ExportConfig
 
 log = logging.getLogger(__name__)
@@ -189,7 +197,7 @@ class HttpExporter:
                 payload = await response.read()
                 status, retry_after = response.status, response.headers.get("Retry-After")
                 ctype = response.content_type
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # Connection refused/reset, timeouts: the downstream is (for now) unavailable.
             # An untrusted certificate too (it may be rotated), but say so once, loudly.
             if isinstance(exc, aiohttp.ClientConnectorCertificateError) and not self._warned_tls:
@@ -426,7 +434,7 @@ class ExportQueue:
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def shutdown(self, timeout: float = 10.0) -> None:

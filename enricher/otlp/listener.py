@@ -40,7 +40,7 @@ import socket
 import ssl
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from aiohttp import web
 

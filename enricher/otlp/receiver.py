@@ -54,7 +54,7 @@ import ssl
 import time
 import urllib.parse
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 try:  # Python 3.14 has it; before, its backport (same API)
     from compression import zstd
@@ -78,11 +78,11 @@ from kvmiss.enricher.otlp.listener import (
     LIMIT_WARNING_INTERVAL_S,
     BodyRefused,
     ConnectionBounds,
-    ListenError,
-    bind_problem,
     HttpListener,
     LimitLog,
+    ListenError,
     answer_and_close,
+    bind_problem,
     read_body,
 )
 from kvmiss.schemas.config import OtlpConfig, parse_listen_address
@@ -427,7 +427,7 @@ class Receivers:
             return
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("OTLP/HTTP: %d requests still in flight after %.1f s; cancelling", self._in_flight, grace)
         await self._http.shutdown()
 

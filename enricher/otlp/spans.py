@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import operator
 import struct
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory

@@ -5,7 +5,13 @@ its stream timeline, route-to-BlockStored latency and ground truth as context.
 """
 
 from kvmiss.enricher.report.data import (
-    InputError, Row, SpanFileTail, Totals, load_context, load_records, load_spans,
+    InputError,
+    Row,
+    SpanFileTail,
+    Totals,
+    load_context,
+    load_records,
+    load_spans,
 )
 from kvmiss.enricher.report.page import write_report
 

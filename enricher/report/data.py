@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import msgspec
 
 from kvmiss.schemas.attribution import AttributionRecord
-from kvmiss.schemas.labels import LABELS as LABEL_TABLE
-from kvmiss.schemas.labels import NOT_MISSES as NOT_MISS_LABELS
-from kvmiss.schemas.labels import UNKNOWN_LABELS, owner_of
+from kvmiss.schemas.labels import LABELS as LABEL_TABLE, NOT_MISSES as NOT_MISS_LABELS, UNKNOWN_LABELS, owner_of
 
 # Rows carry labels as plain strings, and the report formats them (str() of a member is not
 # its value): the label table's sets as values, and every label in precedence order.

@@ -12,7 +12,7 @@ import asyncio
 import bisect
 import collections
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from kvmiss.collectors.membership import Desired, FleetMembers, MembershipSource, Refusal
 from kvmiss.schemas.fleet import FleetChange

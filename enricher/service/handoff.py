@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvmiss.collectors.continuity import Apply, StreamAction, TailConfirmed
 from kvmiss.enricher.core.index import ResidencyIndex

@@ -12,15 +12,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
-from prometheus_client import exposition as prom_text
+from prometheus_client import CollectorRegistry, exposition as prom_text
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from kvmiss.enricher.otlp.listener import (BodyRefused, ConnectionBounds, HttpListener, LimitLog, ListenError,
-                                           answer_and_close, bind_problem, read_body)
+from kvmiss.enricher.otlp.listener import (
+    BodyRefused,
+    ConnectionBounds,
+    HttpListener,
+    LimitLog,
+    ListenError,
+    answer_and_close,
+    bind_problem,
+    read_body,
+)
 from kvmiss.enricher.otlp.receiver import parse_listen
 
 log = logging.getLogger("kvmiss.serve")

@@ -53,7 +53,8 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -63,8 +64,14 @@ from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.otlp.assembly import (Assembly, Fragment, MissingFacts, incomplete_verdict, join_target,
-                                          to_request_facts)
+from kvmiss.enricher.otlp.assembly import (
+    Assembly,
+    Fragment,
+    MissingFacts,
+    incomplete_verdict,
+    join_target,
+    to_request_facts,
+)
 from kvmiss.enricher.otlp.spans import OUTPUT_NAMES, SpanReader, verdict_attributes
 from kvmiss.enricher.service.handoff import IndexFeed
 from kvmiss.schemas.attribution import RequestFacts, Verdict

@@ -9,7 +9,7 @@ exemplars (OpenMetrics exposition), which link a label's counter to one of its t
 
 from __future__ import annotations
 
-from typing import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -22,13 +22,15 @@ from prometheus_client.samples import Exemplar
 
 from kvmiss.collectors.membership import RefusalReason
 from kvmiss.collectors.stream import WorkerStream
+from kvmiss.enricher.service.fleet_watch import FleetStats
 from kvmiss.enricher.service.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, PipelineStats
 from kvmiss.enricher.service.request_records import RequestRecords
-from kvmiss.enricher.service.fleet_watch import FleetStats
 from kvmiss.schemas.attribution import ClockOffset, Label
 from kvmiss.schemas.fleet import MemberState
+
 # NOT_MISSES is not read here; it stays importable from this module, where it used to live.
 from kvmiss.schemas.labels import LABELS, MISS_LABELS, NOT_MISSES, UNKNOWN_LABELS  # noqa: F401
+
 # Why an OTLP request was answered with an error before any of its spans was read (a fixed
 # set: the receiver's ``requests_<reason>`` counters).
 OTLP_REQUEST_REFUSALS = ("unsupported_media_type", "unsupported_encoding", "too_large", "malformed", "body_timeout")

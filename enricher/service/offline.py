@@ -14,7 +14,8 @@ writes them with ``[export] request_records``.
 from __future__ import annotations
 
 import collections
-from typing import IO, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import IO
 
 import msgspec
 

@@ -29,21 +29,44 @@ import bisect
 import collections
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvmiss.enricher.core.attribution import Attributor
-from kvmiss.enricher.core.history_reach import HistoryReach
 from kvmiss.enricher.core.hashing import BlockHasher
+from kvmiss.enricher.core.history_reach import HistoryReach
 from kvmiss.enricher.core.verdict import needs_index
-from kvmiss.enricher.otlp.assembly import (WRITTEN, Assembly, Fragment, Judged, JudgedRequests, MissingFacts,
-                                          incomplete_verdict, join_target, to_request_facts)
-from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
-from kvmiss.enricher.otlp.spans import (OUTPUT_NAMES, Marks, NotEncodable, SpanFacts, SpanReader, WireHit, WireScanner,
-                                       delete_attributes, encode_attributes, rewrite_request, strip_marked, upsert_attributes,
-                                       upsert_marked, verdict_attributes)
 from kvmiss.enricher.estimates.whatif import BEYOND, LADDER, eviction_estimate, ladder_label
+from kvmiss.enricher.otlp.assembly import (
+    WRITTEN,
+    Assembly,
+    Fragment,
+    Judged,
+    JudgedRequests,
+    MissingFacts,
+    incomplete_verdict,
+    join_target,
+    to_request_facts,
+)
+from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequest, OtlpRequest, Outcome, span_count
+from kvmiss.enricher.otlp.spans import (
+    OUTPUT_NAMES,
+    Marks,
+    NotEncodable,
+    SpanFacts,
+    SpanReader,
+    WireHit,
+    WireScanner,
+    delete_attributes,
+    encode_attributes,
+    rewrite_request,
+    strip_marked,
+    upsert_attributes,
+    upsert_marked,
+    verdict_attributes,
+)
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
 

@@ -15,7 +15,14 @@ import urllib.parse
 from dataclasses import dataclass
 
 from kvmiss.enricher.otlp.listener import bind_problem
-from kvmiss.schemas.config import Config, ExportConfig, WorkerSpec, check_zmq_endpoint, listen_addresses, parse_listen_address
+from kvmiss.schemas.config import (
+    Config,
+    ExportConfig,
+    WorkerSpec,
+    check_zmq_endpoint,
+    listen_addresses,
+    parse_listen_address,
+)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client import CollectorRegistry

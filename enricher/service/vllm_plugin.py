@@ -53,7 +53,8 @@ import random
 import re
 import threading
 import time
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_tokens  # stdlib-only, like this module
 
@@ -406,7 +407,7 @@ class SpanEmitter:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one drainer at a time (thread vs force_flush)
 
-    def start(self) -> "SpanEmitter":
+    def start(self) -> SpanEmitter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvmiss-plugin-export", daemon=True)
             self._thread.start()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping
 
 import msgspec
 

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -95,7 +94,7 @@ def workload() -> list[Step]:
 # --- processes ---------------------------------------------------------------------------------
 
 
-def free_port(taken: set[int] = set()) -> int:
+def free_port(taken: set[int] = set()) -> int:  # noqa: B006 - ports handed out so far, across calls
     """A free TCP port *below* the kernel's ephemeral range: the KV-event PUB and replay sockets
     bind only when the engine core starts, a minute after the port was picked, and meanwhile
     vLLM's own ZMQ sockets take ephemeral ports (a precaution: no collision was observed)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from lossy_proxy import LossyProxy
@@ -19,8 +19,19 @@ from sglang_publisher import batch, close, publisher
 from zmq_ports import free_tcp
 
 from kvmiss.collectors.continuity import (
-    Apply, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, NewEpoch,
-    Quarantine, Release, StreamConfig, TailConfirmed, Unverified,
+    Apply,
+    DropReason,
+    EpochCause,
+    EpochUncertain,
+    Hole,
+    HoleReason,
+    KnownEmpty,
+    NewEpoch,
+    Quarantine,
+    Release,
+    StreamConfig,
+    TailConfirmed,
+    Unverified,
 )
 from kvmiss.collectors.fleet import TICK, Fleet, play_recording
 from kvmiss.collectors.recording import RecordingWriter, read_recording

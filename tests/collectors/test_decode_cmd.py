@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import msgspec
+from shared_data import load_json
 
 from kvmiss.enricher.cli import decode_cmd, main
-from shared_data import load_json
 
 
 def _line(frames: list[bytes], **extra) -> bytes:

@@ -23,8 +23,17 @@ import urllib.parse
 import pytest
 from aiohttp import web
 
-from kvmiss.collectors.endpointslices import (KubeApi, SliceRendering, SliceWatch, WatchSettings,
-                                              is_member, render_fleet, slices_of, toml_string, write_fleet)
+from kvmiss.collectors.endpointslices import (
+    KubeApi,
+    SliceRendering,
+    SliceWatch,
+    WatchSettings,
+    is_member,
+    render_fleet,
+    slices_of,
+    toml_string,
+    write_fleet,
+)
 from kvmiss.enricher.cli import main as kvmiss_main
 from kvmiss.schemas.config import ConfigError, WorkerSpec, parse_fleet_file
 

@@ -11,7 +11,14 @@ import time
 import pytest
 
 from kvmiss.collectors.membership import (
-    STATIC, Desired, FileSource, FleetMembers, Refusal, RefusalReason, build_sources, diff_fleet,
+    STATIC,
+    Desired,
+    FileSource,
+    FleetMembers,
+    Refusal,
+    RefusalReason,
+    build_sources,
+    diff_fleet,
 )
 from kvmiss.schemas.config import ConfigError, FleetConfig, WorkerSpec, parse_config, parse_fleet_file
 

@@ -10,14 +10,35 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvmiss.collectors.continuity import (
-    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, LagWindow,
-    NewEpoch, Quarantine, Release, RequestReplay, Run, StreamConfig, StreamState, TailConfirmed, Unverified,
-    instance_from_topic, worker_id,
+    Apply,
+    Cursor,
+    DropReason,
+    EpochCause,
+    EpochUncertain,
+    Hole,
+    HoleReason,
+    KnownEmpty,
+    LagWindow,
+    NewEpoch,
+    Quarantine,
+    Release,
+    RequestReplay,
+    Run,
+    StreamConfig,
+    StreamState,
+    TailConfirmed,
+    Unverified,
+    instance_from_topic,
+    worker_id,
 )
 from kvmiss.collectors.frames import BatchMessage, Channel, FrameError, ReplayEnd, parse_live
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.schemas.events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    decode_batch,
 )
 from kvmiss.schemas.stream import RunStart
 

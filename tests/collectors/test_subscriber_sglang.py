@@ -11,8 +11,8 @@ from zmq_ports import free_tcp
 
 from kvmiss.collectors.continuity import Apply
 from kvmiss.collectors.fleet import Fleet
-from kvmiss.schemas.config import WorkerSpec
 from kvmiss.collectors.subscriber import Subscriber
+from kvmiss.schemas.config import WorkerSpec
 from kvmiss.schemas.stream import RunStart
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from sglang_publisher import batch, close, publisher

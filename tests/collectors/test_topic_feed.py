@@ -17,7 +17,7 @@ import time
 import pytest
 import zmq
 from sglang_publisher import batch, close, publisher
-from zmq_ports import free_port, free_tcp
+from zmq_ports import free_port
 
 from kvmiss.collectors.continuity import Apply, EpochUncertain, NewEpoch, StreamConfig
 from kvmiss.collectors.fleet import Fleet

@@ -54,16 +54,22 @@ with atheris.instrument_imports(include=["kvmiss", "tomllib", "google.protobuf.j
 
     from kvmiss.collectors.frames import BatchMessage, FrameError, ReplayEnd, parse_any
     from kvmiss.enricher.cli import decode_cmd
-    from kvmiss.enricher.otlp.receiver import drop_invalid_spans, parse_otlp_json
-    from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
     from kvmiss.enricher.core.attribution import Attributor
     from kvmiss.enricher.core.index import ResidencyIndex
+    from kvmiss.enricher.otlp.receiver import drop_invalid_spans, parse_otlp_json
+    from kvmiss.enricher.otlp.spans import WIRE_SCAN, SpanReader
     from kvmiss.schemas.attribution import RequestFacts
     from kvmiss.schemas.config import Config, ConfigError, WorkerSpec, parse_config, parse_fleet_file
-    from kvmiss.schemas.stream import AppliedBatch, RunStart
     from kvmiss.schemas.events import (
-        AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError, decode_batch, event_to_builtins,
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        EventBatch,
+        WireError,
+        decode_batch,
+        event_to_builtins,
     )
+    from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 from wire_scan_check import check_against_reference  # noqa: E402 (tests/ is on the path now)
 

@@ -18,12 +18,12 @@ import functools
 import logging
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from shared_data import load_json
 
 VLLM_FRAMES = "vllm-0.33.0-event-frames.json"

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import msgspec
 from fuzz_support import fuzz_settings, mutate_bytes
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from kvmiss.schemas.config import Config, ConfigError, parse_config
 

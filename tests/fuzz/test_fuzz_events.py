@@ -17,8 +17,7 @@ from fuzz_support import (
     mutate_tree,
     seeds,
 )
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from kvmiss.schemas.events import (
     AllBlocksCleared,

@@ -19,8 +19,7 @@ from fuzz_support import (
     scalars,
     seeds,
 )
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from kvmiss.collectors.frames import (
     END_SEQ_BYTES,
@@ -38,7 +37,7 @@ from kvmiss.enricher.cli import decode_cmd
 MESSAGE_TYPES = (BatchMessage, ReplayEnd, FrameError)
 
 special_frames = st.sampled_from([b"", END_SEQ_BYTES, b"\x00" * 8, b"\x00" * 7, b"\x00" * 9,
-                                  b"\xff\xfe", "kv@x".encode(), "kv@\u00e9".encode("latin-1")])
+                                  b"\xff\xfe", b"kv@x", "kv@\u00e9".encode("latin-1")])
 frame = special_frames | st.binary(max_size=24) | st.integers(0, 2**64 - 1).map(lambda n: n.to_bytes(8, "big"))
 frame_lists = st.lists(frame, max_size=7)
 sockets = st.none() | st.sampled_from(["sub", "dealer"]) | st.text(max_size=6)

@@ -20,11 +20,10 @@ from fuzz_support import (
     seeds,
 )
 from google.protobuf.message import DecodeError
-from hypothesis import given
-from hypothesis import strategies as st
-from wire_scan_check import check_against_reference
+from hypothesis import given, strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from wire_scan_check import check_against_reference
 
 from kvmiss.enricher.otlp.exporter import to_otlp_json
 from kvmiss.enricher.otlp.receiver import (

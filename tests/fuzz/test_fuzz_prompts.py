@@ -12,8 +12,7 @@ import os
 import tempfile
 
 from fuzz_support import fuzz_settings, hash_requests, mutate_bytes, mutate_tree, seeds
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from kvmiss.enricher.cli import compare_cmd
 from kvmiss.enricher.cli.hash_cmd import InputError, compute

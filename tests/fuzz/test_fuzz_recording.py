@@ -11,8 +11,7 @@ import zlib
 
 import msgspec
 from fuzz_support import captured_messages, fuzz_settings, msgpack_garbage, mutate_bytes, seeds
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from kvmiss.collectors.recording import (
     MAGIC,

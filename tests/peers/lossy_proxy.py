@@ -31,7 +31,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message

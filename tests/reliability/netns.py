@@ -33,7 +33,8 @@ import os
 import shutil
 import signal
 import subprocess
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from reliability_rig import Kvmiss, Metrics
 

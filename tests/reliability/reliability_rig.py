@@ -33,9 +33,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import zmq
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (

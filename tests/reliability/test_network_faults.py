@@ -82,7 +82,7 @@ class SdkSender:
     included) is exported again until it succeeds, as a Collector's retry queue would. Every
     attempt is counted."""
 
-    def __init__(self, world: "World"):
+    def __init__(self, world: World):
         self.world = world
         self.batches: list[dict] = []
         self.lock = threading.Condition()

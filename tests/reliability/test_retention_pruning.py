@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import random
 
-from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.aged_out import AgedOutFilter
+from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import Label, RequestFacts
 from kvmiss.schemas.events import BlockRemoved, BlockStored

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from shared_data import load_json
 
 from kvmiss.schemas.config import Config, ConfigError, WorkerSpec, load_config, offset_endpoint, parse_config
-from shared_data import load_json
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvmiss.toml"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from shared_data import frames, load_json
 
 from kvmiss.collectors.frames import BatchMessage, parse_any
 from kvmiss.schemas.events import (
@@ -16,7 +17,6 @@ from kvmiss.schemas.events import (
     canonical_hash,
     decode_batch,
 )
-from shared_data import frames, load_json
 
 NORMALISED_HASH_FIELDS = {"block_hashes", "parent_block_hash"}
 

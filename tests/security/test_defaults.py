@@ -182,11 +182,12 @@ def test_the_digest_secret_never_shows_while_a_service_starts_serves_and_stops()
 
 
 def test_hostile_worker_ids_in_spans_cannot_grow_the_metrics_without_bound():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
     from kvmiss.enricher.service.metrics import KvmissCollector
     from kvmiss.enricher.service.pipeline import PipelineStats
     from kvmiss.schemas.attribution import Label
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.exposition import generate_latest
 
     stats = PipelineStats()
     for i in range(1000):

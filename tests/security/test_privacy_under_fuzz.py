@@ -24,11 +24,9 @@ import tempfile
 import msgspec
 from fuzz.fuzz_support import all_logs_at_debug, fuzz_settings, mutate_bytes
 from google.protobuf import json_format
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from prometheus_client import CollectorRegistry
-from prometheus_client import exposition as prom_text
+from prometheus_client import CollectorRegistry, exposition as prom_text
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvmiss.collectors.stream import WorkerStream

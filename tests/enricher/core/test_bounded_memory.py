@@ -16,9 +16,9 @@ import collections
 import random
 import tracemalloc
 
+from kvmiss.enricher.core.aged_out import AgedOutFilter
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.evidence import gather
-from kvmiss.enricher.core.aged_out import AgedOutFilter
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import History, Label, Presence, RequestFacts, WindowStart
 from kvmiss.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored

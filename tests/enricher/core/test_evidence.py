@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 from fleet_builders import PARENT, H, WorkerFeed, cleared, removed, request, stored
 
+from kvmiss.collectors.engines import canonical_medium
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.evidence import gather
-from kvmiss.collectors.engines import canonical_medium
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import ClockOffset, History, Label, Presence, WindowStart
 from kvmiss.schemas.stream import RunStart

@@ -363,7 +363,7 @@ class TestStreamsCreatedAtRunTime:
         return stream
 
     def test_a_rejoined_worker_replayed_from_zero_is_a_new_epoch_from_its_start(self):
-        index, a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A"), WorkerFeed("B")
+        index, _a, b = ResidencyIndex(["A", "B"]), WorkerFeed("A"), WorkerFeed("B")
         for x in b.batches(range(0, 20), {4: [stored(H)]}):
             index.apply(x)
         depart(index, "B", b.ts(20))

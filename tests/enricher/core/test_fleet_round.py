@@ -9,8 +9,7 @@ from __future__ import annotations
 import random
 
 from fleet_builders import cleared, removed, request, stored
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.evidence import FleetRound, _fleet, _other_worker, _Stepped, _Unsettled, gather

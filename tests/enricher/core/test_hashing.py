@@ -7,10 +7,10 @@ from typing import Any
 
 import cbor2
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from shared_data import load_json
 
+from kvmiss.enricher.core.geometry import lookup_limit_tokens, max_cache_hit_tokens
 from kvmiss.enricher.core.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HASH_FUNCTIONS,
@@ -21,7 +21,6 @@ from kvmiss.enricher.core.hashing import (
     RequestExtras,
     external_hash,
 )
-from kvmiss.enricher.core.geometry import lookup_limit_tokens, max_cache_hit_tokens
 
 VECTORS = "vllm-0.33.0-hash-vectors.json"
 FRAMES = "vllm-0.33.0-event-frames.json"

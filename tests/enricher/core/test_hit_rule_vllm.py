@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 coordinator_module = pytest.importorskip(
     "vllm.v1.core.kv_cache_coordinator",
@@ -27,8 +26,7 @@ coordinator_module = pytest.importorskip(
 
 import torch  # noqa: E402  (present wherever vLLM imports)
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 
 from kvmiss.enricher.core.hit_rule import hybrid_hit  # noqa: E402
 from kvmiss.schemas.attribution import KVCacheGroup  # noqa: E402

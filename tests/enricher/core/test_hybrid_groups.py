@@ -3,10 +3,17 @@ group, and the labels read in it (window_limit, evicted there, unknown for kinds
 
 from __future__ import annotations
 
-from fleet_builders import (FULL, WINDOW, WorkerFeed, chain_request, full_stored, group_removed, group_stored,
-                            window_stored)
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from fleet_builders import (
+    FULL,
+    WINDOW,
+    WorkerFeed,
+    chain_request,
+    full_stored,
+    group_removed,
+    group_stored,
+    window_stored,
+)
+from hypothesis import given, settings, strategies as st
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.hit_rule import full_attention_hit, hybrid_hit, window_hit

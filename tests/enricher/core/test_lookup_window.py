@@ -11,8 +11,19 @@ wrong step."""
 from __future__ import annotations
 
 import msgspec
-from fleet_builders import (PARENT, WINDOW, H, WorkerFeed, chain_request, full_stored, group_removed, removed, request,
-                            stored, window_stored)
+from fleet_builders import (
+    PARENT,
+    WINDOW,
+    H,
+    WorkerFeed,
+    chain_request,
+    full_stored,
+    group_removed,
+    removed,
+    request,
+    stored,
+    window_stored,
+)
 
 from kvmiss.enricher.core.attribution import MAX_WINDOW_STEPS, Attributor
 from kvmiss.enricher.core.index import ResidencyIndex

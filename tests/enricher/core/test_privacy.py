@@ -8,8 +8,7 @@ import re
 
 import msgspec
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvmiss.enricher.core.privacy import DigestKey, DigestKeyError, load_digest_key
 from kvmiss.enricher.core.verdict import REASON_MAX_CHARS, attribute

@@ -11,8 +11,20 @@ shows what it was."""
 
 from __future__ import annotations
 
-from fleet_builders import (FULL, WINDOW, H, WorkerFeed, chain_request, full_stored, group_removed, group_stored,
-                            removed, request, stored, window_stored)
+from fleet_builders import (
+    FULL,
+    WINDOW,
+    H,
+    WorkerFeed,
+    chain_request,
+    full_stored,
+    group_removed,
+    group_stored,
+    removed,
+    request,
+    stored,
+    window_stored,
+)
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvmiss.enricher.core import residency_table
 from kvmiss.enricher.core.residency_table import PyBlockTable

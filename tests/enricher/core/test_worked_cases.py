@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import msgspec
-from fleet_builders import (FULL, WINDOW, H, WorkerFeed, chain_request, full_stored, group_removed, removed, request,
-                            stored, window_stored)
+from fleet_builders import (
+    FULL,
+    WINDOW,
+    H,
+    WorkerFeed,
+    chain_request,
+    full_stored,
+    group_removed,
+    removed,
+    request,
+    stored,
+    window_stored,
+)
 
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex

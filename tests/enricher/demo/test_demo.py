@@ -19,7 +19,12 @@ from kvmiss.enricher.core.hashing import BlockHasher, external_hash
 from kvmiss.enricher.demo.engine import BlockPool, Engine, SimRequest
 from kvmiss.enricher.demo.faults import SimWorker, parse_faults
 from kvmiss.enricher.demo.publisher import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Publisher, encode_batch,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Publisher,
+    encode_batch,
 )
 from kvmiss.enricher.demo.truth import Agreement, LookupTruth, judge, truth_label
 from kvmiss.schemas.attribution import Label, TransferAttempt, TransferResult

@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 import msgspec
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvmiss.collectors.recording import RecordedMessage, RecordingWriter
 from kvmiss.enricher.estimates.whatif import PoolRequest, curve, output_chains, replay

@@ -32,7 +32,15 @@ from kvmiss.enricher.otlp.exporter import (
     classify_http,
     parse_retry_after,
 )
-from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, EncodedRequest, ExportResult, Outcome, request_bytes, span_count
+from kvmiss.enricher.otlp.interfaces import (
+    ACCEPTED,
+    ConsumeResult,
+    EncodedRequest,
+    ExportResult,
+    Outcome,
+    request_bytes,
+    span_count,
+)
 from kvmiss.enricher.otlp.receiver import Receivers, parse_otlp_json, retry_status_details
 from kvmiss.schemas.config import ExportConfig, OtlpConfig
 

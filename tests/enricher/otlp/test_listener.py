@@ -14,7 +14,6 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
-
 from raw_clients import read_until_closed, trickle, until
 
 from kvmiss.enricher.otlp.listener import (

@@ -14,8 +14,7 @@ import os
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
@@ -27,8 +26,17 @@ from kvmiss.enricher.otlp import spans as S
 from kvmiss.enricher.otlp.assembly import ENGINE_FACTS, FINISH_FACTS, Assembly, Fragment, to_request_facts
 from kvmiss.enricher.service.pipeline import WAIT_BUCKETS, PendingBatch, Pipeline, WaitHistogram
 from kvmiss.schemas import span_attributes as names
-from kvmiss.schemas.attribution import (Divergence, DivergenceKind, History, Label, Owner, TransferAttempt,
-                                       TransferResult, Verdict, WindowStart)
+from kvmiss.schemas.attribution import (
+    Divergence,
+    DivergenceKind,
+    History,
+    Label,
+    Owner,
+    TransferAttempt,
+    TransferResult,
+    Verdict,
+    WindowStart,
+)
 from kvmiss.schemas.events import MASK64
 from kvmiss.schemas.span_attributes import InputNames
 

@@ -20,12 +20,11 @@ from array import array
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 from test_span_fast_paths import CUSTOM, READERS, SETTINGS, spans
 from wire_scan_check import check_against_reference
+
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.otlp import interfaces, spans as S

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace.export import SpanExportResult
 from test_exporter import GrpcSink, HttpSink, batch_of, numbered, running
-from test_receiver import GOOD, EXPORT, RecordingConsumer, otlp_request, sdk_spans
+from test_receiver import EXPORT, GOOD, RecordingConsumer, otlp_request, sdk_spans
 
 from kvmiss.enricher.otlp.exporter import GrpcExporter, HttpExporter, build_exporters
 from kvmiss.enricher.otlp.interfaces import Outcome

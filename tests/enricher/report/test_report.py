@@ -16,7 +16,13 @@ from kvmiss.enricher.otlp.spans import upsert_attributes, verdict_attributes
 from kvmiss.enricher.report import load_records, load_spans
 from kvmiss.enricher.report.data import Totals
 from kvmiss.schemas.attribution import (
-    LABEL_OWNER, AttributionRecord, Divergence, DivergenceKind, History, Label, Verdict,
+    LABEL_OWNER,
+    AttributionRecord,
+    Divergence,
+    DivergenceKind,
+    History,
+    Label,
+    Verdict,
 )
 
 T0 = 1_790_000_000.0

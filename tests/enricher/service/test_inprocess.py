@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from fleet_builders import H, PARENT, WorkerFeed, removed, stored
+from fleet_builders import PARENT, H, WorkerFeed, removed, stored
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider

@@ -16,8 +16,7 @@ import asyncio
 import os
 
 from fleet_builders import H, WorkerFeed, removed, stored
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from test_pipeline import Clock, Sink, attrs, export_request, make, timed_request
 
 from kvmiss.enricher.core.index import ResidencyIndex

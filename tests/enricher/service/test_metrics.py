@@ -6,17 +6,16 @@ import asyncio
 import re
 
 import pytest
-
+from fleet_builders import H
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
-from test_pipeline import Clock, Sink, evicted_history, export_request, router_span, engine_span
+from test_pipeline import Clock, Sink, engine_span, evicted_history, export_request, router_span
 
 from kvmiss.collectors.stream import WorkerStream
 from kvmiss.enricher.core.attribution import Attributor
 from kvmiss.enricher.core.privacy import DigestKey
 from kvmiss.enricher.service.metrics import KvmissCollector
 from kvmiss.enricher.service.pipeline import Pipeline
-from fleet_builders import H
 
 
 def scrape() -> tuple[str, str]:

@@ -7,7 +7,6 @@ import json
 import os
 
 import pytest
-
 from fleet_builders import H, WorkerFeed, removed, stored
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -296,7 +295,7 @@ def test_raw_inputs_are_stripped_from_every_span_when_their_names_are_not_read()
 
 def test_span_supplied_workers_and_policies_are_bounded_metric_keys():
     pipe, _ = make(ResidencyIndex(["A"]), Clock())
-    from kvmiss.schemas.attribution import Label, RequestFacts, Verdict, Owner
+    from kvmiss.schemas.attribution import Label, Owner, RequestFacts, Verdict
     verdict = Verdict(label=Label.HIT, owner=Owner.NONE, reason="r")
     keys = {pipe.metric_key(RequestFacts(prompt_tokens=1, cached_tokens=0, block_size=16,
                                          worker=f"w{i}", route_policy=f"p{i}"), verdict)

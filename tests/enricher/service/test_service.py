@@ -20,7 +20,6 @@ from otlp_sink import OtlpSink, attributes
 from raw_clients import read_until_closed, until
 from sglang_publisher import batch
 
-
 from kvmiss.enricher.otlp.listener import ConnectionBounds
 from kvmiss.enricher.otlp.receiver import parse_otlp_json
 from kvmiss.enricher.service import health_endpoint

@@ -14,8 +14,8 @@ from test_pipeline import Clock, attrs, engine_span, export_request, make, route
 
 from kvmiss.collectors.continuity import Apply, TailConfirmed
 from kvmiss.enricher.core.attribution import Attributor
-from kvmiss.enricher.core.evidence import gather
 from kvmiss.enricher.core.epoch_residency import EpochResidency
+from kvmiss.enricher.core.evidence import gather
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.schemas.attribution import History, Label, Presence
 from kvmiss.schemas.stream import RunStart

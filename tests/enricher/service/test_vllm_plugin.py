@@ -17,7 +17,7 @@ import sys
 import types
 
 import pytest
-from fleet_builders import H, PARENT, WorkerFeed, removed, stored
+from fleet_builders import PARENT, H, WorkerFeed, removed, stored
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
@@ -503,7 +503,6 @@ class TestWithRealVllm:
 # --- kvmiss serve: the plugin's span + vLLM's llm_request, no router ------------------------------
 
 from test_pipeline import Clock, Sink, attrs  # noqa: E402 (the pipeline tests' small doubles)
-
 
 CHAIN = [PARENT, H, PARENT + 2]  # 16-token blocks, as in fleet_builders
 
