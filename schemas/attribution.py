@@ -16,9 +16,10 @@ import enum
 import msgspec
 
 from kvmiss.schemas.fleet import StreamReach
+
 # Defined with the label table; Verdict names them, and code that has always imported them
 # from here still can.
-from kvmiss.schemas.labels import LABEL_OWNER, Label, Owner  # noqa: F401
+from kvmiss.schemas.labels import LABEL_OWNER as LABEL_OWNER, Label as Label, Owner as Owner
 from kvmiss.schemas.prompt import ExtraKeysSpec
 
 

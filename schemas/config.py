@@ -14,7 +14,7 @@ import re
 import string
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -355,7 +355,10 @@ def _path_text(msg: str) -> str:
     return msg.replace("`$.", "`").replace("- at ", "at ")
 
 
-def _decode(text: str, kind: type, source: str):
+_T = TypeVar("_T")
+
+
+def _decode(text: str, kind: type[_T], source: str) -> _T:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -387,7 +390,7 @@ def parse_fleet_file(text: str, *, source: str = "<fleet file>") -> list[WorkerS
     return fleet.workers
 
 
-def load_config(path: str | os.PathLike) -> Config:
+def load_config(path: str | os.PathLike[str]) -> Config:
     """The config in file ``path``; ``"-"``: read from stdin (`kvmiss config example | kvmiss serve --config -`)."""
     if str(path) == "-":
         import sys
@@ -440,7 +443,7 @@ def check_worker_endpoints(worker: WorkerSpec, where: str) -> None:
 LISTEN_KEYS = ("otlp.grpc", "otlp.http", "metrics.listen")
 
 
-def listen_addresses(config: "Config") -> dict[str, str]:
+def listen_addresses(config: Config) -> dict[str, str]:
     """Every address kvmiss listens on, by key (the ones switched off are left out)."""
     values = (config.otlp.grpc, config.otlp.http, config.metrics.listen)
     return {key: value for key, value in zip(LISTEN_KEYS, values) if value}

@@ -23,7 +23,7 @@ be decoded raises `WireError` whose message says what and where (a msgspec path 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Union, cast
 
 import msgspec
 
@@ -129,12 +129,13 @@ class EventBatch(msgspec.Struct, array_like=True):
 
 
 class _LenientBlockStored(BlockStored, tag="BlockStored", tag_field="type"):
-    block_hashes: list[_AnyHash]
-    parent_block_hash: _AnyHash | None = None
+    # Wider than the base's on purpose: decoded leniently, canonicalised after (`canonical_hash`).
+    block_hashes: list[_AnyHash]  # type: ignore[assignment]
+    parent_block_hash: _AnyHash | None = None  # type: ignore[assignment]
 
 
 class _LenientBlockRemoved(BlockRemoved, tag="BlockRemoved", tag_field="type"):
-    block_hashes: list[_AnyHash]
+    block_hashes: list[_AnyHash]  # type: ignore[assignment]  # (as above)
 
 
 class _ArrayBlockStored(_LenientBlockStored, tag="BlockStored", array_like=True):
@@ -275,5 +276,5 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, msgspec.Raw):
         return None  # token_ids are rendered by event_to_builtins itself
     if isinstance(obj, msgspec.msgpack.Ext):  # inside raw extra keys: no JSON form of its own
-        return {"ext_type": obj.code, "data_hex": obj.data.hex()}
+        return {"ext_type": obj.code, "data_hex": cast(bytes, obj.data).hex()}  # (bytes when decoded)
     raise NotImplementedError(type(obj))

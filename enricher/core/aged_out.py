@@ -142,6 +142,7 @@ class AgedOutFilter:
         gens, limit, forgotten = self._generations, before_ts - self.horizon_s, 0
         while gens and gens[0].last_ts is not None and gens[0].last_ts < limit:
             gen = gens.popleft()
+            assert gen.last_ts is not None  # (the loop's condition; per generation, not per record)
             forgotten += gen.count
             self.forgotten_through = gen.last_ts if self.forgotten_through is None else max(
                 self.forgotten_through, gen.last_ts)

@@ -8,17 +8,16 @@ with the deployment's digest key and evidence options applied.
 from __future__ import annotations
 
 import math
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 import msgspec
 
 from kvmiss.enricher.core.divergence import diverge
 from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather, read_the_cache
+from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks, missed_reusable
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks, missed_reusable
 from kvmiss.enricher.core.verdict import attribute, unsettled_lookup
-from kvmiss.schemas.fleet import StreamReach
 from kvmiss.schemas.attribution import (
     AttributionRecord,
     Divergence,
@@ -28,8 +27,8 @@ from kvmiss.schemas.attribution import (
     RequestFacts,
     Verdict,
 )
+from kvmiss.schemas.fleet import StreamReach
 from kvmiss.schemas.labels import SETTLED_AT_ANY_TIME
-
 
 # Engine steps (of all workers) a lookup known only within a window may fall in, beyond which
 # the verdict is not settled step by step (each one is another evidence gather): unknown.
@@ -93,6 +92,7 @@ class Attributor:
         block the window group needed for the longest hit while a shorter one stood). A window
         with no possible step contradicts the spans: unknown."""
         t, latest = facts.lookup_time, facts.lookup_time_latest
+        assert t is not None and latest is not None  # (`attribute` asks only then)
         stamps = self.index.step_stamps_between(t, latest, MAX_WINDOW_STEPS)
         if stamps is None:
             return unsettled_lookup(verdict, None, latest - t)
@@ -172,6 +172,7 @@ class Attributor:
             return None
         parent = facts.block_hashes[block - 1]
         siblings = view.siblings.siblings(parent, evidence.lookup_step_seq)
+        assert facts.token_ids is not None  # (the caller asks only then)
         return diverge(facts.token_ids, facts.extra_keys, block, facts.block_size, siblings)
 
     def record(self, facts: RequestFacts, *, trace_id: str | None = None) -> AttributionRecord:

@@ -10,7 +10,8 @@ shown only through `snippet`, an explicit opt-in.
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -102,7 +103,7 @@ def compare(reference: HashRequest, candidate: HashRequest, *,
         if x != y:
             break
         shared += 1
-    common = dict(block_size=b, reference_blocks=len(ref_chain), candidate_blocks=len(cand_chain))
+    common: dict[str, Any] = dict(block_size=b, reference_blocks=len(ref_chain), candidate_blocks=len(cand_chain))
     if not ref_chain or not cand_chain:
         return Comparison(result=Result.SHORTER_THAN_ONE_BLOCK, shared_blocks=0, shared_tokens=0,
                           **common)
@@ -132,7 +133,7 @@ def compare(reference: HashRequest, candidate: HashRequest, *,
                       digests=digests, **common)
 
 
-def snippet(reference: HashRequest, candidate: HashRequest, around: int, width: int = 8) -> dict:
+def snippet(reference: HashRequest, candidate: HashRequest, around: int, width: int = 8) -> dict[str, Any]:
     """Token ids around a divergence (opt-in debugging only: this is prompt material)."""
     lo = max(0, around - width)
     return {"from_token": lo,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 from array import array
+from typing import Any
 
 from kvmiss.schemas.attribution import Divergence, DivergenceKind
 from kvmiss.schemas.events import BlockStored
@@ -29,7 +30,8 @@ class Sibling:
 
     __slots__ = ("block_hash", "stored_seq", "tokens", "extra_keys", "lora_name")
 
-    def __init__(self, block_hash: int, stored_seq: int, tokens: array, extra_keys, lora_name):
+    def __init__(self, block_hash: int, stored_seq: int, tokens: array[int], extra_keys: Any,
+                 lora_name: str | None):
         self.block_hash = block_hash
         self.stored_seq = stored_seq
         self.tokens = tokens

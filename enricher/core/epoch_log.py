@@ -6,11 +6,14 @@ state it reads; kept apart because it is a concept of its own.
 
 from __future__ import annotations
 
+import collections
 import logging
+from array import array
 from bisect import bisect_right
+from typing import Any
 
 from kvmiss.enricher.core.residency_table import bisect_left
-from kvmiss.enricher.core.residency_types import GPU, HistoryRun
+from kvmiss.enricher.core.residency_types import HistoryRun
 
 log = logging.getLogger("kvmiss.index")
 
@@ -18,6 +21,20 @@ log = logging.getLogger("kvmiss.index")
 class EpochLog:
     """The batch log's queries and upkeep (state: ``log_seq``, ``log_ts``, ``runs``, ``clears``,
     ``tail``, ``clock_steps``, set by `EpochResidency.__init__`)."""
+
+    # Declared for the type checker only (no values: `EpochResidency.__init__` sets them).
+    worker: str
+    counts: collections.Counter[Any]
+    log_seq: array[int]
+    log_ts: array[float]
+    log_removed: array[int]
+    runs: list[HistoryRun]
+    clears: list[tuple[int, float]]
+    refusals: list[int]
+    clock_steps: list[tuple[float, float]]
+    last_seq: int | None
+    last_ts: float | None
+    tail: tuple[int, float] | None
 
     def quarantined_at(self, step_seq: int) -> int | None:
         """The seq of a batch with refused events at or before ``step_seq`` with no clear
@@ -86,7 +103,7 @@ class EpochLog:
         """(seq, ts) of the first applied batch stamped at or after ``t``: the engine step
         that contains a lookup made at ``t``. None when no applied batch is stamped at or
         after ``t`` (see `lookup_step` for an idle worker)."""
-        i = bisect_left(self.log_ts, t)
+        i: int = bisect_left(self.log_ts, t)
         if i == len(self.log_ts):
             return None
         return self.log_seq[i], self.log_ts[i]
@@ -115,8 +132,8 @@ class EpochLog:
     def removals_between(self, after_seq: int, through_seq: int) -> int | None:
         """GPU hashes removed by the batches after ``after_seq`` through ``through_seq`` (both
         applied in this view); None when either batch has left the log."""
-        i = bisect_left(self.log_seq, after_seq)
-        j = bisect_left(self.log_seq, through_seq + 1) - 1
+        i: int = bisect_left(self.log_seq, after_seq)
+        j: int = bisect_left(self.log_seq, through_seq + 1) - 1
         if i >= len(self.log_seq) or self.log_seq[i] != after_seq or j < i:
             return None
         return self.log_removed[j] - self.log_removed[i]
@@ -157,7 +174,7 @@ class EpochLog:
         """Engine time of an applied batch, while the log still holds it."""
         if seq is None:
             return None
-        i = bisect_left(self.log_seq, seq)
+        i: int = bisect_left(self.log_seq, seq)
         return self.log_ts[i] if i < len(self.log_seq) and self.log_seq[i] == seq else None
 
     @property

@@ -19,7 +19,8 @@ from __future__ import annotations
 import collections
 import logging
 from array import array
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from kvmiss.collectors.engines import canonical_medium  # each engine's medium spellings
 from kvmiss.enricher.core.aged_out import AgedOutFilter
@@ -47,7 +48,7 @@ class EpochResidency(EpochLog, UncountedStores):
 
     def __init__(self, worker: str, epoch: int, instance: str | None, *,
                  divergence_detail: bool = False, aged_out_horizon_s: float = float("inf"),
-                 counts: collections.Counter | None = None, re_announcements: bool = True):
+                 counts: collections.Counter[Any] | None = None, re_announcements: bool = True):
         self.worker = worker
         self.epoch = epoch
         self.instance = instance
@@ -90,7 +91,7 @@ class EpochResidency(EpochLog, UncountedStores):
         self._window_checks: dict[int, bool] = {}
         self._window_checks_seq: int | None = None
         # Per-worker event facts for the metrics (the index's `anomalies`, shared by its views).
-        self.counts: collections.Counter = counts if counts is not None else collections.Counter()
+        self.counts: collections.Counter[Any] = counts if counts is not None else collections.Counter()
         # False: the deployment promises no request re-announces ([history] kv_cache_report_mode
         # = "incremental"), so a store with no parent re-storing a resident chain is a copy.
         self.re_announcements = re_announcements
@@ -117,7 +118,7 @@ class EpochResidency(EpochLog, UncountedStores):
         # with them and bounded: what was stored in the step before a copy tells whether the
         # engine would have hit the block had that copy preceded the lookup
         # (`stored_in_step_through`).
-        self.copy_steps: dict[int, Sequence] = {}
+        self.copy_steps: dict[int, Sequence[Any]] = {}
         self._same_step_in_python = 0  # same-step copies recorded by `_apply_event`
         self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
         self.last_ts: float | None = None
@@ -183,7 +184,9 @@ class EpochResidency(EpochLog, UncountedStores):
         if self.hybrid and self._same_step_count() != copied:
             self._keep_copy_step(seq, events)
 
-    def _apply_event(self, event, seq: int, ts: float, batch=(), at: int = -1) -> None:
+    # ``event``: BlockStored | BlockRemoved | AllBlocksCleared, dispatched on its class (Any: the checker
+    # does not narrow on ``cls is``).
+    def _apply_event(self, event: Any, seq: int, ts: float, batch: Sequence[Any] = (), at: int = -1) -> None:
         cls = event.__class__
         if cls is AllBlocksCleared:
             self._clear(seq, ts)
@@ -428,10 +431,10 @@ class EpochResidency(EpochLog, UncountedStores):
         if blocks <= 0 or limit < blocks:
             return blocks <= 0
         if not self.hybrid:  # full attention: the leading run
-            held = self.held(self.primary_group, chain[:blocks], step_seq)
+            leading = self.held(self.primary_group, chain[:blocks], step_seq)
             if assume_held is not None and 0 <= assume_held < blocks:
-                held[assume_held] = True
-            return all(held)
+                leading[assume_held] = True
+            return all(leading)
         groups = [self.groups.get(t.group) for t in self.tiers if t.medium == GPU]
         if not all(rule_for(g, block_size).modelled for g in groups):
             return False

@@ -37,15 +37,16 @@ consulted for nothing: neither a holder nor ruled out (`Evidence.skewed_workers`
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from typing import Callable, Collection, Iterable, NamedTuple
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, NamedTuple, cast
 
+from kvmiss.enricher.core.epoch_residency import EpochResidency
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
 from kvmiss.enricher.core.group_evidence import limiting_group_evidence
-from kvmiss.enricher.core.epoch_residency import EpochResidency
 from kvmiss.enricher.core.index import TAIL_MARGIN_S, ResidencyIndex
-from kvmiss.enricher.core.residency_types import GPU, HistoryRun, Interval
 from kvmiss.enricher.core.membership import INF, Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
+from kvmiss.enricher.core.residency_types import GPU, HistoryRun, Interval
 from kvmiss.schemas.attribution import (
     ClockOffset,
     Evidence,
@@ -210,7 +211,8 @@ def _absence_window(view: EpochResidency | None, margin: float) -> tuple[float, 
     since, through = view.known_empty_since, view.reached_through(margin)
     if since is None or through is None:
         return None
-    lo = max(since, view.runs[-1].start_ts, view.first_ts)  # type: ignore[type-var]
+    # (first_ts is set once a run exists: a batch was applied)
+    lo = max(since, view.runs[-1].start_ts, cast(float, view.first_ts))
     if view.horizon_ts is not None:
         lo = max(lo, view.horizon_ts)
     return (lo, through) if lo <= through else None  # (NaN compares false: never a window)
@@ -316,7 +318,7 @@ class FleetRound:
                 first = self._gone_first_table[start]
                 table_of = self._gone_table_of
                 picked.update(gone_pos[table_of[first + j]] for j in holding(key, self._gone_tables[first:]))
-        picked.discard(self.position.get(chosen))  # type: ignore[arg-type]
+        picked.discard(self.position.get(chosen))
         workers = self.workers
         return [workers[pos] for pos in sorted(picked)]
 
@@ -365,9 +367,10 @@ def _member_worker(index: ResidencyIndex, worker: str, key: int, t: float,
             return History.EPOCH_UNKNOWN if views else History.LAGGING
         if view.first_ts is not None and t < view.first_ts:
             return None  # a fresh epoch before its first batch: its cache was still empty
-    if _clean_without(view, key, t, margin):
+    # (view: not None here, the current one whenever first_ts was; no runtime check on this path)
+    if _clean_without(view, key, t, margin):  # type: ignore[arg-type]
         return None  # provably never had it
-    medium, held = _worker_held(view, key, t, margin=margin)
+    medium, held = _worker_held(view, key, t, margin=margin)  # type: ignore[arg-type]
     if held.node is not None:
         return Holder(worker, medium, held.node.stored_ts)  # type: ignore[arg-type]
     if held is _STEPPED:
@@ -475,7 +478,7 @@ def gather(
     view = _choose_view(views, facts.instance_hint, t, margin)
     if view is None or not view.epoch_certain:
         return Evidence(history=History.EPOCH_UNKNOWN, clock=clock)
-    base = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts, clock=clock)
+    base: dict[str, Any] = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts, clock=clock)
     if view.horizon_ts is not None and t < view.horizon_ts:
         return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)
     step_seq = view.lookup_step(t, margin)
@@ -557,7 +560,7 @@ def gather(
     return Evidence(history=History.GAP, **gap, **base)
 
 
-def _gap_of(run: HistoryRun) -> dict:
+def _gap_of(run: HistoryRun) -> dict[str, Any]:
     """Where the history behind this run broke: an unfilled hole, or everything before a
     mid-epoch join (seq 0 .. first seen - 1)."""
     if run.start is RunStart.AFTER_GAP:

@@ -29,12 +29,13 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-from kvmiss.enricher.core.hit_rule import kind_name, rule_for
 from kvmiss.enricher.core.epoch_residency import EpochResidency
-from kvmiss.enricher.core.residency_types import HistoryRun, Interval
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
-from kvmiss.schemas.attribution import Evidence, History, KVCacheGroup, Presence, RequestFacts, WindowStart
+from kvmiss.enricher.core.hit_rule import kind_name, rule_for
+from kvmiss.enricher.core.residency_types import HistoryRun, Interval
+from kvmiss.schemas.attribution import Evidence, History, Presence, RequestFacts, WindowStart
 from kvmiss.schemas.stream import RunStart
+
 
 class Fate(enum.Enum):
     """A block of one group at the lookup time."""
@@ -100,7 +101,7 @@ def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq:
         run_end += 1
     if run_end == first:
         return None  # the full-attention group cut the hit at H itself
-    others = sorted((g for g in {t.group for t in view.tiers if t.medium == "GPU"} if g != primary.idx))
+    others = sorted(g for g in {t.group for t in view.tiers if t.medium == "GPU"} if g != primary.idx)
     failing: list[tuple[int, list[BlockAt]]] = []
     for idx in others:
         rule = rule_for(view.groups.get(idx), b)
@@ -131,8 +132,8 @@ def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq:
                                 removed_seq=node.removed_seq, removed_ts=node.removed_ts,  # type: ignore[union-attr]
                                 removed_by_clear=node.removed_by_clear, **base)  # type: ignore[union-attr]
     clear = view.last_clear_between(run.start_seq, step_seq + 1)
-    start = (dict(window_start=WindowStart.CLEAR, window_start_ts=clear[1]) if clear is not None
-             else dict(window_start=WindowStart.EPOCH_START, window_start_ts=run.start_ts))
+    start: dict[str, Any] = (dict(window_start=WindowStart.CLEAR, window_start_ts=clear[1]) if clear is not None
+                             else dict(window_start=WindowStart.EPOCH_START, window_start_ts=run.start_ts))
     forgotten = view.pruned.forgotten_through  # aged-out blocks forgotten past the horizon
     if forgotten is not None and start["window_start_ts"] < forgotten:
         start = dict(window_start=WindowStart.HORIZON, window_start_ts=forgotten)  # "not recently"

@@ -63,8 +63,8 @@ import cbor2
 import msgspec
 from xxhash import xxh3_128, xxh3_128_digest
 
-from kvmiss.schemas.prompt import ExtraKeysSpec
 from kvmiss.schemas.events import canonical_hash
+from kvmiss.schemas.prompt import ExtraKeysSpec
 
 BlockHash = NewType("BlockHash", bytes)
 """A raw block digest: 32 bytes for the sha256 variants, 16 for the xxhash ones."""
@@ -170,15 +170,15 @@ _NO_EXTRAS = RequestExtras()
 def extras_from_spec(spec: ExtraKeysSpec) -> RequestExtras:
     """The hashing inputs of a prompt spec (schemas/prompt.py); raises `HashingError`
     naming the field when a value cannot be hashed."""
-    digests = None
+    digests: tuple[bytes, ...] | None = None
     if spec.prompt_embeds_block_digests is not None:
-        digests = []
+        found: list[bytes] = []
         for i, text in enumerate(spec.prompt_embeds_block_digests):
             try:
-                digests.append(bytes.fromhex(text))
+                found.append(bytes.fromhex(text))
             except ValueError:
                 raise HashingError(f"not hex - at `$.prompt_embeds_block_digests[{i}]`") from None
-        digests = tuple(digests)
+        digests = tuple(found)
     try:
         return _extras(spec, digests)
     except HashingError as exc:  # only the mm spans can be wrong here

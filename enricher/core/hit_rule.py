@@ -139,9 +139,10 @@ def rule_for(group: KVCacheGroup | None, block_size: int | None = None) -> Group
     """The group's rule; unmodelled for a kind without one, and (``block_size`` given) for a
     group hashed in other blocks than the request (H may sit inside one of them)."""
     make = RULES.get(group.kind) if group is not None and group.kind is not None else None
-    rule = make(group) if make is not None else UnmodelledRule(f"a {kind_name(group)} group")
-    if rule.modelled and block_size is not None and group.block_size != block_size:
-        return UnmodelledRule(f"groups of block size {group.block_size} for requests hashed in blocks of {block_size}")
+    # (``make`` is found only for a group, so ``group`` is not None where it is read below)
+    rule = make(group) if make is not None else UnmodelledRule(f"a {kind_name(group)} group")  # type: ignore[arg-type]
+    if rule.modelled and block_size is not None and group.block_size != block_size:  # type: ignore[union-attr]
+        return UnmodelledRule(f"groups of block size {group.block_size} for requests hashed in blocks of {block_size}")  # type: ignore[union-attr]
     return rule
 
 
@@ -164,7 +165,7 @@ def hybrid_hit(groups: Sequence[KVCacheGroup], resident: Resident, max_blocks: i
     while True:
         start = hit
         for group in order:
-            found = group_hit(group, lambda i, g=group.idx: resident(g, i), hit)
+            found = group_hit(group, lambda i, g=group.idx: resident(g, i), hit)  # type: ignore[misc]
             if found < hit:
                 hit, limiting = found, group.idx
         if hit >= start:

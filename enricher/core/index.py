@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from kvmiss.enricher.core.aged_out import AgedOutFilter
 from kvmiss.enricher.core.epoch_residency import EpochResidency
 from kvmiss.enricher.core.membership import Joined, Membership
 from kvmiss.enricher.core.residency_table import SEQ_SPAN, bisect_left, warn_if_not_accelerated
@@ -66,7 +66,7 @@ class ResidencyIndex:
         self.aged_out_forgotten = 0  # aged-out blocks forgotten past the horizon, all views
         # (name, worker) -> count, for the metrics: re_announced_stores / re_announced_blocks
         # (`EpochResidency.unproven`), stale_partial_stores (vLLM #49125). Kept across epochs.
-        self.anomalies: collections.Counter = collections.Counter()
+        self.anomalies: collections.Counter[Any] = collections.Counter()
         # Bumped by every change (apply, confirm_tail, prune): what is derived from the whole
         # index for a judging round (evidence.FleetRound) holds while it stays the same.
         self.generation = 0

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvmiss.schemas.config import WorkerSpec
 

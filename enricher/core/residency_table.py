@@ -24,7 +24,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # One interval: (stored seq or None, removed seq or None while resident, removed by a clear)
 IntervalRecord = tuple[int | None, int | None, bool]
@@ -43,7 +44,7 @@ class PyBlockTable:
         # The KV-cache group's block size, set by the index when it learns it (0: not known).
         self.block_size = 0
         # hash -> [live copies, [(stored, removed, by_clear), ...] newest first]
-        self._records: dict[int, list] = {}
+        self._records: dict[int, list[Any]] = {}
         self._closed: collections.deque[tuple[float, int]] = collections.deque()
 
     def _check_seq(self, seq: int) -> None:
@@ -135,6 +136,7 @@ class PyBlockTable:
         """The latest interval whose store came before batch ``step_seq`` (a store in the
         lookup's own step came after the lookup; an unknown store counts as before)."""
         entry = self._records.get(h)
+        record: IntervalRecord
         for record in entry[1] if entry is not None else ():
             if record[0] is None or record[0] < step_seq:
                 return record
@@ -175,16 +177,23 @@ class PyBlockTable:
 try:
     if os.environ.get("KVMISS_PURE_PYTHON_TABLE") == "1":  # to rule the C table in or out
         raise ImportError("KVMISS_PURE_PYTHON_TABLE=1")
-    from kvmiss.enricher.core._blocktable import Applier, BlockTable, bisect_left, bloom_add, holding
+    # (`X as X`: re-exported, for the type checker's strict mode)
+    from kvmiss.enricher.core._blocktable import (
+        Applier as Applier,
+        BlockTable as BlockTable,
+        bisect_left as bisect_left,
+        bloom_add as bloom_add,
+        holding as holding,
+    )
     ACCELERATED = True
 except ImportError:  # built without a C compiler: the reference model, correct but slower
-    from bisect import bisect_left  # noqa: F401  (the batch log's search; boxes each probe)
-    BlockTable = PyBlockTable  # type: ignore[misc,assignment]
+    from bisect import bisect_left as bisect_left  # (the batch log's search; boxes each probe)
+    BlockTable = PyBlockTable
     Applier = None  # EpochResidency applies events in Python (index.py `_apply_event`)
     bloom_add = None  # AgedOutFilter sets its bits in Python (index.py `_BloomStage.add`)
     ACCELERATED = False
 
-    def holding(block_hash: object, tables: tuple) -> list[int]:  # type: ignore[misc]
+    def holding(block_hash: object, tables: tuple[Any, ...]) -> list[int]:
         """The positions in ``tables`` of the tables with a record of ``block_hash``."""
         return [i for i, table in enumerate(tables) if block_hash in table]
 

@@ -6,7 +6,9 @@ that stored one block twice. A part of `EpochResidency`, whose state it reads.
 
 from __future__ import annotations
 
-from typing import Sequence
+import collections
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from kvmiss.collectors.engines import canonical_medium
 from kvmiss.enricher.core.hit_rule import window_needed
@@ -14,6 +16,9 @@ from kvmiss.enricher.core.residency_table import BlockTable
 from kvmiss.enricher.core.residency_types import GPU, Placement
 from kvmiss.schemas.attribution import KVCacheGroup
 from kvmiss.schemas.events import BlockStored
+
+if TYPE_CHECKING:
+    from kvmiss.enricher.core.aged_out import AgedOutFilter
 
 # The most batches a view keeps in order for their same-step copies (`EpochResidency.copy_steps`):
 # ~1-2 KB each, so a few MB per hybrid worker at most however long its retention.
@@ -24,12 +29,31 @@ class UncountedStores:
     """The uncounted-store bookkeeping (state: ``unproven``, ``copy_steps`` and the marks'
     counters, set by `EpochResidency.__init__`)."""
 
+    # Declared for the type checker only (no values: `EpochResidency.__init__` sets them).
+    worker: str
+    counts: collections.Counter[Any]
+    tiers: dict[Placement, BlockTable]
+    groups: dict[int, KVCacheGroup]
+    primary_group: int
+    unproven: dict[Placement, dict[int, list[int]]]
+    unproven_stores: dict[int, list[tuple[Placement, tuple[int, ...]]]]
+    unproven_pruned_ts: float | None
+    _window_checks: dict[int, bool]
+    _window_checks_seq: int | None
+    pruned: AgedOutFilter
+    known_empty_since: float | None
+    same_step_copies: dict[object, int]
+    same_step_unproven: dict[object, int]
+    copy_steps: dict[int, Sequence[Any]]
+    _same_step_in_python: int
+    _applier: Any  # the compiled `Applier`, or None
+
     def _same_step_count(self) -> int:
         """Same-step copies recorded so far, by the compiled applier and by `_apply_event`."""
         applier = self._applier
         return self._same_step_in_python + (applier.same_step_stores if applier is not None else 0)
 
-    def _keep_copy_step(self, seq: int, events: Sequence) -> None:
+    def _keep_copy_step(self, seq: int, events: Sequence[Any]) -> None:
         """`copy_steps`, at most `MAX_COPY_STEPS` (the oldest go first: a step whose order is
         gone keeps its doubt)."""
         steps = self.copy_steps
@@ -54,7 +78,7 @@ class UncountedStores:
         self.counts[("re_announced_stores", self.worker)] += 1
         self.counts[("re_announced_blocks", self.worker)] += len(event.block_hashes)
 
-    def _may_re_announce(self, event: BlockStored, batch, at: int, seq: int) -> bool:
+    def _may_re_announce(self, event: BlockStored, batch: Sequence[Any], at: int, seq: int) -> bool:
         """Whether a store with no parent re-storing a resident chain (``batch[at]``) may be a
         re-announcement. vLLM re-announces a reused chain in one call, group by group in group
         order (`KVCacheCoordinator.emit_cached_block_events`), every group with the same hashes
@@ -96,7 +120,8 @@ class UncountedStores:
                     return False
         return True
 
-    def _window_call_may_re_announce(self, spec: KVCacheGroup, batch, at: int, seq: int, hashes) -> bool:
+    def _window_call_may_re_announce(self, spec: KVCacheGroup, batch: Sequence[Any], at: int, seq: int,
+                                     hashes: list[int]) -> bool:
         """Whether window group ``spec``'s event in the re-announcement call ``batch[at]`` would
         belong to may be a re-announcement: the nearest event of that group in the run of
         parentless stores of the same chain around ``at`` -- before it when the group comes
@@ -112,11 +137,12 @@ class UncountedStores:
                     return self._window_checks_seq == seq and self._window_checks.get(i, False)
                 # Still to come: between here and there only other groups' stores, so the
                 # group's table is as it will be at its event.
-                return self._window_tail_held(spec.idx, e.medium, hashes, spec.window_blocks)
+                # (window_blocks: not None, the caller's condition for asking)
+                return self._window_tail_held(spec.idx, e.medium, hashes, cast(int, spec.window_blocks))
             i += step
         return False
 
-    def _window_tail_held(self, group: int, medium, hashes, need: int) -> bool:
+    def _window_tail_held(self, group: int, medium: str | None, hashes: list[int], need: int) -> bool:
         """Whether a window group may have held, now, the blocks its hit of the chain
         ``hashes`` needed -- counted, or stored by a store not counted (`unproven`), or aged
         out of the records (`pruned`)."""

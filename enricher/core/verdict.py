@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_tokens, missed_reusable
-from kvmiss.schemas.fleet import Reach, StreamReach
 from kvmiss.schemas.attribution import (
     ClockOffset,
     Evidence,
@@ -53,6 +52,7 @@ from kvmiss.schemas.attribution import (
     Verdict,
     WindowStart,
 )
+from kvmiss.schemas.fleet import Reach, StreamReach
 from kvmiss.schemas.labels import LABELS
 
 REASON_MAX_CHARS = 200
@@ -337,7 +337,7 @@ def _gap_text(evidence: Evidence) -> str:
 
 
 def _utc(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _blind_reason(reach: StreamReach) -> str:
