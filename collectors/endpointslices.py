@@ -253,7 +253,7 @@ class KubeApi:
     ca_file: Path | None = SERVICE_ACCOUNT_DIR / "ca.crt"
 
     @classmethod
-    def in_cluster(cls, namespace: str | None = None) -> "KubeApi":
+    def in_cluster(cls, namespace: str | None = None) -> KubeApi:
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
         if not host or not port:
             raise ApiError("not in a pod: KUBERNETES_SERVICE_HOST / KUBERNETES_SERVICE_PORT are unset "
@@ -417,7 +417,7 @@ class SliceWatch:
 async def _sleep(stop: asyncio.Event, seconds: float) -> None:
     try:
         await asyncio.wait_for(stop.wait(), seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
 
 

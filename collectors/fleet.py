@@ -6,7 +6,7 @@ from ZeroMQ, `play_recording` feeds it from a recording file, deterministically.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import msgspec
 

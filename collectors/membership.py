@@ -14,7 +14,8 @@ from __future__ import annotations
 import enum
 import os
 import time
-from typing import Iterable, Mapping, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import msgspec
 

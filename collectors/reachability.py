@@ -41,7 +41,7 @@ async def diagnose(endpoint: str, *, bind: bool = False,
             loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s)
     except socket.gaierror as exc:
         return Unreachable.UNRESOLVED, f"{host}: {exc.strerror or exc}"
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         return Unreachable.UNRESOLVED, f"{host}: no DNS answer within {timeout_s:g} s"
     family, _, _, _, address = addresses[0]
     try:
@@ -49,7 +49,7 @@ async def diagnose(endpoint: str, *, bind: bool = False,
             asyncio.open_connection(address[0], address[1], family=family), timeout_s)
     except ConnectionRefusedError:
         return Unreachable.REFUSED, f"{address[0]}:{port} refused the connection (nothing listens there)"
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         return Unreachable.NO_ANSWER, f"{address[0]}:{port} did not answer within {timeout_s:g} s"
     except OSError as exc:
         return Unreachable.NETWORK_ERROR, f"{address[0]}:{port}: {exc.strerror or exc}"

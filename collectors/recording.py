@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import msgspec
 

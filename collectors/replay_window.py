@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 VLLM_DEFAULT_BUFFER_STEPS = 10_000
 

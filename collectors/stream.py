@@ -39,10 +39,34 @@ The rules (shared/spec/ATTRIBUTION.md 1-3, shared/reference/WIRE.md):
 from __future__ import annotations
 
 from kvmiss.collectors.continuity import (
-    Apply, Cursor, DropReason, EpochCause, EpochUncertain, Hole, HoleReason, KnownEmpty, LagWindow,
-    NewEpoch, Quarantine, Quarantined, Received, Recovery, RecoveryPurpose, Release, ReorderBuffer,
-    RequestReplay, Run, StreamAction, StreamConfig, StreamHealth, StreamState, TAIL_PROBE_DEFER_S,
-    TailConfirmed, Unverified, bump, instance_from_topic,
+    TAIL_PROBE_DEFER_S,
+    Apply,
+    Cursor,
+    DropReason,
+    EpochCause,
+    EpochUncertain,
+    Hole,
+    HoleReason,
+    KnownEmpty,
+    LagWindow,
+    NewEpoch,
+    Quarantine,
+    Quarantined,
+    Received,
+    Recovery,
+    RecoveryPurpose,
+    Release,
+    ReorderBuffer,
+    RequestReplay,
+    Run,
+    StreamAction,
+    StreamConfig,
+    StreamHealth,
+    StreamState,
+    TailConfirmed,
+    Unverified,
+    bump,
+    instance_from_topic,
 )
 from kvmiss.collectors.engines import ADAPTERS, EngineAdapter
 from kvmiss.collectors.frames import BatchMessage, FrameError, Message, ReplayEnd, WireError, has_clear

@@ -32,7 +32,7 @@ import os
 import select
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message

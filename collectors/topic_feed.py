@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message

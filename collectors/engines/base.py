@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from kvmiss.collectors.frames import BatchMessage, FrameError, Message, parse_live, parse_replay
 from kvmiss.schemas.events import EventBatch
