@@ -26,20 +26,8 @@ Extra keys, per block, in this order (``None`` when there are none):
 ``extra_keys_format="untagged"`` (vLLM 0.20-0.30)
     The same entries without tags and without the LoRA path: ``name``, ``(identifier,
     offset - block_start)``, ``salt``, ``digest``. This is also the shape vLLM 0.33 publishes
-    in ``BlockStored.extra_keys`` (``to_event_extra_keys``). How this was established (no
-    0.20-0.30 wheel was read directly, and no hash vectors exist for it):
-
-    * ``vllm/v1/core/kv_cache_utils.py`` in vllm-project/vllm (a stored copy, commit
-      001cabc1be16, release not recorded): ``_gen_lora_extra_hash_keys`` returns ``[lora_name]``,
-      ``_gen_mm_extra_hash_keys`` appends ``(identifier, offset - start_token_idx)``,
-      ``generate_block_hash_extra_keys`` returns ``tuple(lora + mm + salt + prompt_embeds)``
-      or None, the salt only when ``start_token_idx == 0`` and the salt is truthy.
-    * The ``(identifier, offset)`` pair replaced the bare identifier in vllm PR #36708
-      (merged 2026-03-20, first released in 0.19.1, per a third-party impact review quoting
-      the diff); a walkthrough quoting ``vllm-0.21.0/vllm/v1/core/kv_cache_utils.py``
-      lines 393-444 shows the pair. LoRA names replaced ``lora_int_id`` in PR #27211 (2025).
-    * Tags (0.31+, per shared/reference/WIRE.md) answer issue #44701 (2026-06: a LoRA name
-      could collide with a cache salt; fix proposed in PR #44706).
+    in ``BlockStored.extra_keys`` (``to_event_extra_keys``). How this was established:
+    docs/HISTORY.md, "Extra keys before 0.31".
     Earlier releases (bare mm identifiers, LoRA int ids) are not supported.
 
 Lookahead (EAGLE/MTP, ``lookahead_tokens = L > 0``): a block is hashed only once the ``L``
