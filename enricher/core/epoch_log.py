@@ -10,12 +10,32 @@ import collections
 import logging
 from array import array
 from bisect import bisect_right
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvmiss.enricher.core.residency_table import bisect_left
 from kvmiss.enricher.core.residency_types import HistoryRun
+from kvmiss.schemas.attribution import History
+from kvmiss.schemas.stream import RunStart
 
 log = logging.getLogger("kvmiss.index")
+
+
+class LookupPoint(NamedTuple):
+    """Where a lookup at t falls in one lifetime's history, with the doubts that leaves.
+
+    ``doubt``: AGED_OUT (t is before what retention kept: ``horizon_ts``) or LAGGING (no
+    applied step reaches t); then nothing else is set. Otherwise ``step_seq`` is the engine step
+    of the lookup, ``run`` its stretch of continuous history, ``gap`` where that stretch's
+    history broke (evidence fields), ``clock_step_s`` how far the engine clock went back around
+    t (t cannot be placed), ``hole`` the unfilled hole a quarantine leaves before the step."""
+
+    doubt: History | None
+    horizon_ts: float | None = None
+    step_seq: int = -1
+    run: HistoryRun | None = None
+    gap: dict[str, Any] = {}
+    clock_step_s: float | None = None
+    hole: tuple[int | None, int | None] | None = None
 
 
 class EpochLog:
@@ -35,6 +55,31 @@ class EpochLog:
     last_seq: int | None
     last_ts: float | None
     tail: tuple[int, float] | None
+    horizon_ts: float | None
+
+    def lookup_point(self, t: float, margin: float) -> LookupPoint:
+        """The lookup at ``t`` placed among this lifetime's steps: the one question evidence
+        asks the log before it asks about blocks."""
+        if self.horizon_ts is not None and t < self.horizon_ts:
+            return LookupPoint(History.AGED_OUT, horizon_ts=self.horizon_ts)
+        step_seq = self.lookup_step(t, margin)
+        if step_seq is None:
+            return LookupPoint(History.LAGGING)
+        stepped_back = self.clock_step_at(t, margin) if self.clock_steps else None
+        run = self.run_at_step(step_seq)
+        assert run is not None, "every applied batch belongs to a run"
+        return LookupPoint(None, self.horizon_ts, step_seq, run, _gap_of(run), stepped_back,
+                           self.quarantine_hole(run, step_seq))
+
+    def quarantine_hole(self, run: HistoryRun, step_seq: int) -> tuple[int | None, int | None] | None:
+        """The hole that leaves the lookup's step quarantined: events the index refused
+        (`epoch_residency.MAX_TIERS`), or a run after an unfilled hole with no clear since."""
+        refused = self.quarantined_at(step_seq) if self.refusals else None
+        if refused is not None:
+            return refused, refused
+        if run.start is RunStart.AFTER_GAP and self.last_clear_between(run.start_seq, step_seq + 1) is None:
+            return run.gap_from_seq, run.gap_to_seq
+        return None
 
     def quarantined_at(self, step_seq: int) -> int | None:
         """The seq of a batch with refused events at or before ``step_seq`` with no clear
@@ -182,3 +227,13 @@ class EpochLog:
         """Engine time of the last applied batch (what was applied, not what a tail
         confirmation proves: see `reached_through`)."""
         return self.last_ts
+
+
+def _gap_of(run: HistoryRun) -> dict[str, Any]:
+    """Where the history behind this run broke: an unfilled hole, or everything before a
+    mid-epoch join (seq 0 .. first seen - 1)."""
+    if run.start is RunStart.AFTER_GAP:
+        return dict(gap_from_seq=run.gap_from_seq, gap_to_seq=run.gap_to_seq)
+    if run.start is RunStart.JOINED:
+        return dict(gap_from_seq=0, gap_to_seq=run.start_seq - 1)
+    return {}

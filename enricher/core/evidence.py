@@ -94,9 +94,7 @@ def _choose_view(views: list[EpochResidency], instance_hint: str | None, t: floa
 
 
 def _quarantined(view: EpochResidency, run: HistoryRun, step_seq: int) -> bool:
-    if view.refusals and view.quarantined_at(step_seq) is not None:
-        return True  # events the index refused (`index.MAX_TIERS`): a hole of its own
-    return run.start is RunStart.AFTER_GAP and view.last_clear_between(run.start_seq, step_seq + 1) is None
+    return view.quarantine_hole(run, step_seq) is not None
 
 
 class _Held(NamedTuple):
@@ -479,17 +477,16 @@ def gather(
     if view is None or not view.epoch_certain:
         return Evidence(history=History.EPOCH_UNKNOWN, clock=clock)
     base: dict[str, Any] = dict(epoch=view.epoch, applied_through_ts=view.applied_through_ts, clock=clock)
-    if view.horizon_ts is not None and t < view.horizon_ts:
-        return Evidence(history=History.AGED_OUT, window_start_ts=view.horizon_ts, **base)
-    step_seq = view.lookup_step(t, margin)
-    if step_seq is None:
-        return Evidence(history=History.LAGGING, **base)
-    stepped_back = view.clock_step_at(t, margin) if view.clock_steps else None
-    if stepped_back is not None:  # t cannot be placed among this worker's batches
-        return Evidence(history=History.CONTINUOUS, clock_step_s=stepped_back, **base)
+    point = view.lookup_point(t, margin)
+    if point.doubt is History.AGED_OUT:
+        return Evidence(history=History.AGED_OUT, window_start_ts=point.horizon_ts, **base)
+    if point.doubt is not None:
+        return Evidence(history=point.doubt, **base)
+    if point.clock_step_s is not None:  # t cannot be placed among this worker's batches
+        return Evidence(history=History.CONTINUOUS, clock_step_s=point.clock_step_s, **base)
+    step_seq, run = point.step_seq, point.run
+    assert run is not None
     base["lookup_step_seq"] = step_seq
-    run = view.run_at_step(step_seq)
-    assert run is not None, "every applied batch belongs to a run"
     key = first_miss_hash(facts)
     holders, unresolved, skewed, unsettled, stepped = (
         _fleet(index, worker, key, t, clocks, unsubscribed, fleet) if key is not None else ((), (), (), (), ()))
@@ -503,11 +500,9 @@ def gather(
                 unresolved += (held.unresolved,)
     base.update(holders=holders, tiers=tuple(tiers), unresolved_holders=unresolved,
                 skewed_workers=skewed, unsettled_members=unsettled, stepped_workers=stepped)
-    if _quarantined(view, run, step_seq):
-        refused = view.quarantined_at(step_seq) if view.refusals else None
-        hole = (refused, refused) if refused is not None else (run.gap_from_seq, run.gap_to_seq)
-        return Evidence(history=History.QUARANTINED, gap_from_seq=hole[0], gap_to_seq=hole[1], **base)
-    gap = _gap_of(run)
+    if point.hole is not None:
+        return Evidence(history=History.QUARANTINED, gap_from_seq=point.hole[0], gap_to_seq=point.hole[1], **base)
+    gap = point.gap
     if key is None:
         return Evidence(history=History.CONTINUOUS, **base)
     if view.hybrid:  # several KV-cache groups: the one that limited the hit decides
@@ -560,11 +555,3 @@ def gather(
     return Evidence(history=History.GAP, **gap, **base)
 
 
-def _gap_of(run: HistoryRun) -> dict[str, Any]:
-    """Where the history behind this run broke: an unfilled hole, or everything before a
-    mid-epoch join (seq 0 .. first seen - 1)."""
-    if run.start is RunStart.AFTER_GAP:
-        return dict(gap_from_seq=run.gap_from_seq, gap_to_seq=run.gap_to_seq)
-    if run.start is RunStart.JOINED:
-        return dict(gap_from_seq=0, gap_to_seq=run.start_seq - 1)
-    return {}
