@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 
 import msgspec
 
@@ -52,13 +53,19 @@ class BatchMessage(msgspec.Struct, frozen=True):
         With the compiled reader, a payload of the current wire form comes back with its
         events as `EncodedEvents` (a sequence of the same Structs, decoded on first use,
         that the index applies without them); anything else goes through `decode_batch`."""
-        payload = self.payload
-        if scan_batch is not None and payload.__class__ is bytes:
-            scanned = scan_batch(payload)
-            if scanned is not None:
-                ts, dp_rank, events = scanned
-                return EventBatch(ts=ts, events=events, dp_rank=dp_rank)
-        return decode_batch(payload)
+        return read_payload(self.payload, scan_batch, decode_batch)
+
+
+def read_payload(payload: bytes, scan: Callable[[bytes], tuple | None] | None,
+                 decode: Callable[[bytes], EventBatch]) -> EventBatch:
+    """One batch payload: read by ``scan`` (the compiled reader) when given and it reads it,
+    else by ``decode``. The one home of that choice (`BatchMessage.decode`, the engine adapters)."""
+    if scan is not None and payload.__class__ is bytes:
+        scanned = scan(payload)
+        if scanned is not None:
+            ts, dp_rank, events = scanned
+            return EventBatch(ts=ts, events=events, dp_rank=dp_rank)
+    return decode(payload)
 
 
 def has_clear(events: list[KVEvent]) -> bool:

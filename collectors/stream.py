@@ -70,7 +70,6 @@ from kvmiss.collectors.continuity import (
 )
 from kvmiss.collectors.engines import ADAPTERS, EngineAdapter
 from kvmiss.collectors.frames import BatchMessage, FrameError, Message, ReplayEnd, WireError, has_clear
-from kvmiss.schemas.events import EventBatch
 from kvmiss.schemas.stream import AppliedBatch, RunStart
 
 
@@ -111,8 +110,7 @@ class WorkerStream:
         self._live_topic: str | None = None  # of the last live batch: `on_live`'s common case
         self.fast_path = True  # False: every message takes the general path (tests compare)
         self.adapter = adapter
-        self._scan = adapter.scan  # (read per batch: kept off the adapter's attribute lookup)
-        self._decode = adapter.decode
+        self._scan = adapter.scan  # (read per live batch: kept off the adapter's attribute lookup)
 
     # --- what the owner reads ---------------------------------------------------------------
 
@@ -492,7 +490,7 @@ class WorkerStream:
         try:
             if isinstance(message, FrameError):
                 raise WireError(message.reason)
-            batch = self._read(message.payload)
+            batch = self.adapter.read(message.payload)
         except WireError as exc:
             self._write_off(seq, HoleReason.MALFORMED, str(exc))
             return
@@ -514,17 +512,6 @@ class WorkerStream:
             epoch_certain=state.epoch_certain, replayed=replayed,
         )))
         self._count_applied(batch.ts, replayed, seq, recv_ts)
-
-    def _read(self, payload: bytes) -> EventBatch:
-        """The batch in ``payload``: read by the compiled reader when it applies to the engine
-        and reads it (events as `EncodedEvents`), else decoded by the engine's adapter."""
-        scan = self._scan
-        if scan is not None and payload.__class__ is bytes:
-            scanned = scan(payload)
-            if scanned is not None:
-                ts, dp_rank, events = scanned
-                return EventBatch(ts=ts, events=events, dp_rank=dp_rank)
-        return self._decode(payload)
 
     def _known_empty_applied(self, seq: int, cause: KnownEmpty) -> None:
         state = self.state

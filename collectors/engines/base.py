@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-from kvmiss.collectors.frames import BatchMessage, FrameError, Message, parse_live, parse_replay
+from kvmiss.collectors.frames import BatchMessage, FrameError, Message, parse_live, parse_replay, read_payload
 from kvmiss.schemas.events import EventBatch
 
 GPU, CPU, STORAGE, EXTERNAL = "GPU", "CPU", "STORAGE", "EXTERNAL"  # kvmiss's media
@@ -47,3 +47,7 @@ class EngineAdapter:
 
         Raises `WireError` naming the bad field; never another exception."""
         raise NotImplementedError
+
+    def read(self, payload: bytes) -> EventBatch:
+        """The batch: the compiled reader's events where it applies and reads it, else `decode`."""
+        return read_payload(payload, self.scan, self.decode)
