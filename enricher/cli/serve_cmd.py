@@ -77,7 +77,7 @@ def process_config(config, index: int):
     """The configuration of process ``index`` of a ``--processes`` group: every listen port
     moved up by ``index`` (port 0 stays 0: any free port), and its own export file, journal
     and request-records file, so no two processes share a port or a file."""
-    from kvmiss.enricher.otlp.receiver import parse_listen
+    from kvmiss.schemas.config import parse_listen_address
 
     if index == 0:
         return config
@@ -85,7 +85,7 @@ def process_config(config, index: int):
     def moved(address: str) -> str:
         if not address:
             return address  # that receiver is off
-        host, port = parse_listen(address)
+        host, port = parse_listen_address(address)
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{port + index if port else 0}"
 

@@ -40,9 +40,11 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
+from kvmiss.schemas.config import parse_listen_address
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,21 @@ def bind_problem(host: str, port: int) -> str | None:
     finally:
         sock.close()
     return None
+
+
+async def listen_as(key: str, address: str, start: Callable[[str, int], Awaitable[None]]) -> None:
+    """``start(host, port)`` for the listen address ``address`` of config key ``key``; a bind
+    that fails is one `ListenError` naming both. The port is tried first, so that a library
+    that logs its own failure (grpc core) never gets to."""
+    host, port = parse_listen_address(address)
+    problem = bind_problem(host, port)
+    if problem is not None:
+        raise ListenError(key, address, problem)
+    try:
+        await start(host, port)
+    except (OSError, RuntimeError) as exc:  # lost a race for the port: grpc raises RuntimeError
+        reason = _BIND_HINTS.get(getattr(exc, "errno", None) or 0) or getattr(exc, "strerror", None) or str(exc)
+        raise ListenError(key, address, reason) from None
 
 
 @dataclasses.dataclass(frozen=True)

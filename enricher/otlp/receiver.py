@@ -80,12 +80,11 @@ from kvmiss.enricher.otlp.listener import (
     ConnectionBounds,
     HttpListener,
     LimitLog,
-    ListenError,
     answer_and_close,
-    bind_problem,
+    listen_as,
     read_body,
 )
-from kvmiss.schemas.config import OtlpConfig, parse_listen_address
+from kvmiss.schemas.config import OtlpConfig
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +191,6 @@ def check_protobuf_backend() -> str:
     return backend
 
 
-parse_listen = parse_listen_address  # the rule lives with the config that validates it
 
 
 class TlsFilesError(ValueError):
@@ -380,15 +378,8 @@ class Receivers:
         try:
             for key, address, start in (("otlp.grpc", self._config.grpc, self._start_grpc),
                                         ("otlp.http", self._config.http, self._start_http)):
-                if not address:
-                    continue
-                problem = bind_problem(*parse_listen(address))  # before grpc core logs its own
-                if problem is not None:
-                    raise ListenError(key, address, problem)
-                try:
-                    await start(address)
-                except (OSError, RuntimeError) as exc:
-                    raise ListenError(key, address, str(exc)) from None
+                if address:
+                    await listen_as(key, address, start)
         except BaseException:
             await self.shutdown(0)
             raise
@@ -501,8 +492,7 @@ class Receivers:
 
     # -- gRPC ----------------------------------------------------------------------------
 
-    async def _start_grpc(self, address: str) -> None:
-        host, port = parse_listen(address)
+    async def _start_grpc(self, host: str, port: int) -> None:
         options = [
             ("grpc.max_receive_message_length", self._max_body),  # default 4 MiB is too small
             ("grpc.so_reuseport", 0),  # else a second kvmiss silently shares the port
@@ -528,13 +518,13 @@ class Receivers:
         else:
             bound = server.add_insecure_port(target)
         if bound == 0:  # older grpcio returns 0 instead of raising
-            raise OSError(f"OTLP/gRPC: cannot listen on {address}")
+            raise OSError(f"OTLP/gRPC: cannot listen on {target}")
         await server.start()
         self._grpc_server, self.grpc_port = server, bound
 
     # -- HTTP ----------------------------------------------------------------------------
 
-    async def _start_http(self, address: str) -> None:
+    async def _start_http(self, host: str, port: int) -> None:
         app = web.Application()
         app.router.add_post(TRACES_PATH, self._handle_http)
         bounds = ConnectionBounds(self._max_connections, idle_s=IDLE_CONNECTION_S,
@@ -544,7 +534,7 @@ class Receivers:
         self._http = HttpListener(app, bounds, name="OTLP/HTTP", stats=self.stats, prefix="http_",
                                   cap_hint="otlp.max_connections; counted in kvmiss_otlp_http_connections_refused_total",
                                   warnings=self._warnings, ssl_context=self._http_tls, auto_decompress=False)
-        await self._http.start(*parse_listen(address))
+        await self._http.start(host, port)
         self.http_port = self._http.port
 
     async def _handle_http(self, http_request: web.Request) -> web.Response:

@@ -23,12 +23,10 @@ from kvmiss.enricher.otlp.listener import (
     ConnectionBounds,
     HttpListener,
     LimitLog,
-    ListenError,
     answer_and_close,
-    bind_problem,
+    listen_as,
     read_body,
 )
-from kvmiss.enricher.otlp.receiver import parse_listen
 
 log = logging.getLogger("kvmiss.serve")
 
@@ -57,14 +55,7 @@ class HealthEndpoint:
         self.listener = HttpListener(
             app, BOUNDS, name="metrics endpoint", stats=self.stats,
             cap_hint="counted in kvmiss_metrics_http_connections_refused_total", warnings=LimitLog(log))
-        host, port = parse_listen(address)
-        problem = bind_problem(host, port)
-        if problem is not None:
-            raise ListenError("metrics.listen", address, problem)
-        try:
-            await self.listener.start(host, port)
-        except OSError as exc:
-            raise ListenError("metrics.listen", address, exc.strerror or str(exc)) from None
+        await listen_as("metrics.listen", address, self.listener.start)
         self.port = self.listener.port
 
     async def shutdown(self) -> None:

@@ -22,10 +22,9 @@ import psutil
 import pytest
 from fuzz.fuzz_support import all_logs_at_debug
 
-from kvmiss.enricher.otlp.receiver import parse_listen
 from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas import config as config_module
-from kvmiss.schemas.config import Config, load_config, parse_config
+from kvmiss.schemas.config import Config, load_config, parse_config, parse_listen_address as parse_listen
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvmiss.toml"
 SECRET = "inline-digest-secret-DKEY-0123456789"

@@ -36,8 +36,8 @@ except ImportError:
 
 from kvmiss.enricher.otlp import receiver as receiver_module
 from kvmiss.enricher.otlp.interfaces import ACCEPTED, ConsumeResult, Outcome, span_count
-from kvmiss.enricher.otlp.receiver import Receivers, drop_invalid_spans, parse_listen, parse_otlp_json
-from kvmiss.schemas.config import OtlpConfig
+from kvmiss.enricher.otlp.receiver import Receivers, drop_invalid_spans, parse_otlp_json
+from kvmiss.schemas.config import OtlpConfig, parse_listen_address as parse_listen
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
