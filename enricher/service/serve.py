@@ -533,7 +533,7 @@ class Service:
             if worker in self._departed:
                 continue  # a departed worker followed a little longer (`linger_s`)
             reach = watch.status(worker)
-            if reach is not None and reach.blind and now - (reach.since or now) >= watch.grace_s:
+            if reach is not None and watch.past_grace(reach, now):
                 states[worker] = reach.state.value
                 continue
             state = "quarantined" if stream.quarantined else stream.cursor.name.lower()

@@ -178,10 +178,15 @@ class WorkerWatch:
                 counts[reach.cause.value] += 1
         return dict(counts)
 
+    def past_grace(self, reach: StreamReach, now: float) -> bool:
+        """Blind for longer than the grace: unreachable, as readiness counts it."""
+        return reach.blind and reach.since is not None and now - reach.since >= self.grace_s
+
     def connected_share(self) -> float | None:
         """Members connected, or still within their grace, over all members; None: no member."""
         if not self.reach:
             return None
-        blind = sum(1 for r in self.reach.values() if r.blind and self.clock() - (r.since or 0.0) >= self.grace_s)
+        now = self.clock()
+        blind = sum(1 for reach in self.reach.values() if self.past_grace(reach, now))
         return 1.0 - blind / len(self.reach)
 
