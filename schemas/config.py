@@ -87,9 +87,7 @@ def parse_listen_address(address: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep and not text.isdigit():
         raise ValueError(f"{address!r} is not host:port (e.g. \"127.0.0.1:4317\", \"[::1]:4318\", \":9464\")")
-    if host.startswith("[") != host.endswith("]"):
-        raise ValueError(f"{address!r}: an IPv6 host goes in brackets, e.g. \"[::1]:4317\"")
-    if ":" in host and not host.startswith("["):
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
         raise ValueError(f"{address!r}: an IPv6 host goes in brackets, e.g. \"[::1]:4317\"")
     _check_port(port, address, allow_zero=True)
     return host.strip("[]") or "127.0.0.1", int(port)

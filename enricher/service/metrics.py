@@ -27,9 +27,7 @@ from kvmiss.enricher.service.pipeline import MAX_ROUTE_POLICIES, WAIT_BUCKETS, P
 from kvmiss.enricher.service.request_records import RequestRecords
 from kvmiss.schemas.attribution import ClockOffset, Label
 from kvmiss.schemas.fleet import MemberState
-
-# NOT_MISSES is not read here; it stays importable from this module, where it used to live.
-from kvmiss.schemas.labels import LABELS, MISS_LABELS, NOT_MISSES, UNKNOWN_LABELS  # noqa: F401
+from kvmiss.schemas.labels import LABELS, MISS_LABELS, UNKNOWN_LABELS
 
 # Why an OTLP request was answered with an error before any of its spans was read (a fixed
 # set: the receiver's ``requests_<reason>`` counters).

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from example_checks import EXAMPLES, LOOPBACK, host_port, with_env_defaults
 
-from kvmiss.enricher.service.metrics import NOT_MISSES
 from kvmiss.schemas.attribution import Label
 from kvmiss.schemas.config import Config, ConfigError, load_config, parse_config
+from kvmiss.schemas.labels import NOT_MISSES
 
 COLLECTOR = EXAMPLES / "collector"
 CONFIGS = ["single.yaml", "replicas.yaml"]
