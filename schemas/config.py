@@ -22,7 +22,9 @@ from kvmiss.schemas.span_attributes import InputNames
 
 # The engines a worker may name (`WorkerSpec.engine`): each has its adapter in
 # collectors/engines (which checks that both lists agree).
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "trtllm", "atom")
+# Engines whose ranks also suffix an ``ipc://`` endpoint with ``_dp<rank>`` (vLLM, SGLang: inproc only).
+IPC_RANK_SUFFIX = frozenset({"trtllm", "atom"})
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,14 +49,16 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     engine: str = "vllm"  # which engine publishes: one of `ENGINES` (its wire adapter)
 
     def sub_endpoint(self) -> str:
-        return offset_endpoint(self.endpoint, self.dp_rank) if self.offset_by_rank else self.endpoint
+        if not self.offset_by_rank:
+            return self.endpoint
+        return offset_endpoint(self.endpoint, self.dp_rank, ipc=self.engine in IPC_RANK_SUFFIX)
 
     def replay_address(self) -> str | None:
         if self.replay_endpoint is None:
             return None
         if not self.offset_by_rank:
             return self.replay_endpoint
-        return offset_endpoint(self.replay_endpoint, self.dp_rank)
+        return offset_endpoint(self.replay_endpoint, self.dp_rank, ipc=self.engine in IPC_RANK_SUFFIX)
 
 
 # At most 5 ASCII digits: a longer "port" is left as given (the socket refuses it at start-up)
@@ -62,12 +66,12 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 _TCP_PORT = re.compile(r"^(?P<head>tcp://.*:)(?P<port>[0-9]{1,5})$")
 
 
-def offset_endpoint(endpoint: str, dp_rank: int) -> str:
+def offset_endpoint(endpoint: str, dp_rank: int, *, ipc: bool = False) -> str:
     """The engines' data-parallel rule: tcp port + rank (port 0 unchanged), inproc gets
-    a ``_dp<rank>`` suffix, other transports unchanged."""
+    a ``_dp<rank>`` suffix (ipc too with ``ipc``: `IPC_RANK_SUFFIX`), other transports unchanged."""
     if not dp_rank:
         return endpoint
-    if endpoint.startswith("inproc://"):
+    if endpoint.startswith("inproc://") or (ipc and endpoint.startswith("ipc://")):
         return f"{endpoint}_dp{dp_rank}"
     match = _TCP_PORT.match(endpoint)
     if match is None or match["port"] == "0":

@@ -13,12 +13,15 @@ with `canonical_medium`, which knows every registered engine's.
 
 from __future__ import annotations
 
+from kvmiss.collectors.engines.atom import ATOMAdapter
 from kvmiss.collectors.engines.base import CPU, EXTERNAL, GPU, STORAGE, EngineAdapter
 from kvmiss.collectors.engines.sglang import SGLangAdapter
+from kvmiss.collectors.engines.trtllm import TensorRTLLMAdapter
 from kvmiss.collectors.engines.vllm import VLLMAdapter
 from kvmiss.schemas.config import ENGINES
 
-ADAPTERS: dict[str, EngineAdapter] = {"vllm": VLLMAdapter(), "sglang": SGLangAdapter()}
+ADAPTERS: dict[str, EngineAdapter] = {
+    "vllm": VLLMAdapter(), "sglang": SGLangAdapter(), "trtllm": TensorRTLLMAdapter(), "atom": ATOMAdapter()}
 """``[[workers]] engine`` -> its adapter. A new engine: its module here, its entry, and its
 name in schemas/config.py `ENGINES` (the config refuses any other)."""
 

@@ -42,6 +42,11 @@ class EngineAdapter:
     """The compiled reader (collectors/_kvwire.c `scan_batch`) when it reads this engine's
     payloads exactly as `decode` does (and answers None for the rest), else None."""
 
+    token_hashing: str | None = None
+    """None: kvmiss hashes a request's ``kvmiss.token_ids`` as this engine does (``[engine]``).
+    Otherwise why it cannot, said on the span of a request to this engine that carries token
+    ids and no ``kvmiss.block_hashes``, instead of a chain hashed the wrong way."""
+
     def decode(self, payload: bytes) -> EventBatch:
         """One batch payload as the event model, block hashes canonical (uint64).
 

@@ -47,14 +47,14 @@ def hashes_sent(event) -> list[int]:
 
 
 def test_the_registry_serves_every_engine_the_config_accepts():
-    assert set(ADAPTERS) == set(ENGINES) == {"vllm", "sglang"}
+    assert set(ADAPTERS) == set(ENGINES) == {"vllm", "sglang", "trtllm", "atom"}
     assert isinstance(VLLM, VLLMAdapter) and isinstance(SGLANG, SGLangAdapter)
     assert all(adapter_for(name) is ADAPTERS[name] for name in ENGINES)
 
 
 def test_an_unknown_engine_is_refused_by_the_registry_listing_the_engines():
-    with pytest.raises(ValueError, match=r"unknown engine 'trtllm'; engines: vllm, sglang"):
-        adapter_for("trtllm")
+    with pytest.raises(ValueError, match=r"unknown engine 'tensorrt'; engines: vllm, sglang, trtllm, atom"):
+        adapter_for("tensorrt")
 
 
 def test_an_unknown_engine_is_refused_by_the_config_naming_the_key_and_the_engines():
@@ -62,7 +62,7 @@ def test_an_unknown_engine_is_refused_by_the_config_naming_the_key_and_the_engin
     with pytest.raises(ConfigError) as info:
         parse_config(text)
     assert "workers[0] (id 'w0').engine" in str(info.value)
-    assert "'TensorRT'" in str(info.value) and "engines: vllm, sglang" in str(info.value)
+    assert "'TensorRT'" in str(info.value) and "engines: vllm, sglang, trtllm, atom" in str(info.value)
 
 
 def test_the_engine_defaults_to_vllm_and_sglang_is_accepted():
@@ -73,7 +73,7 @@ def test_the_engine_defaults_to_vllm_and_sglang_is_accepted():
 
 def test_every_adapter_starts_at_seq_0_and_spells_only_kvmiss_media():
     for adapter in ADAPTERS.values():
-        assert adapter.first_seq == 0  # both publishers' counters (WIRE.md)
+        assert adapter.first_seq == 0  # every publisher's counter (WIRE.md, docs/ENGINES.md)
         assert set(adapter.media.values()) <= MEDIA and adapter.media[None] == "GPU"
 
 
@@ -83,7 +83,7 @@ def test_canonical_medium_reads_every_engines_spellings_as_the_index_did():
         "GPU", "GPU", "GPU", "CPU", "CPU", "CPU", "STORAGE", "STORAGE", "STORAGE", "EXTERNAL", "NVME"]
     from kvmiss.enricher.core.epoch_residency import canonical_medium as in_index
     assert in_index is canonical_medium  # the index uses this one, no copy of its own
-    assert engines._MEDIA == {**VLLM.media, **SGLANG.media}
+    assert engines._MEDIA == {k: v for a in ADAPTERS.values() for k, v in a.media.items()}
 
 
 def test_the_compiled_reader_applies_to_both_engines_when_built():
