@@ -83,6 +83,9 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     # The request's full-block chain, canonical uint64: a list, or (read from OTLP bytes in C)
     # an array('Q') -- only its length and elements are read.
     block_hashes: list[int] | None = None
+    # Why no chain could be made of the request's token ids (its worker's engine hashes blocks
+    # in a way kvmiss does not compute): the reason its first miss cannot be identified.
+    chain_unavailable: str | None = None
     extra_key_kinds: tuple[str, ...] = ()  # lora, cache_salt, mm, prompt_embeds
     transfers: tuple[TransferAttempt, ...] = ()
     instance_hint: str | None = None  # e.g. resource service.instance.id

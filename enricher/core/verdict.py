@@ -140,9 +140,9 @@ def attribute(
     # Every later rule is a claim about H; without it the index evidence has no subject.
     if first_miss is None:
         reason = (
-            "the request carried no block chain, so the first missed block cannot be identified"
-            if not chain
-            else "the request's block chain ends before the first missed block"
+            "the request's block chain ends before the first missed block" if chain
+            else facts.chain_unavailable
+            or "the request carried no block chain, so the first missed block cannot be identified"
         )
         return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
     if evidence is None:

@@ -21,7 +21,7 @@ Pure: no clock, no I/O. The pipeline decides when to stop waiting.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -318,12 +318,15 @@ def incomplete_verdict(missing: MissingFacts) -> Verdict:
 
 
 def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_block_size: int,
-                     errors: list[str], lookup_wanted: bool = False) -> RequestFacts | MissingFacts:
+                     errors: list[str], lookup_wanted: bool = False,
+                     unhashable: Callable[[str | None], str | None] | None = None) -> RequestFacts | MissingFacts:
     """The `RequestFacts` of an assembly, or what is still missing. Problems that make a
     fact unusable (bad extra-key JSON, unhashable tokens) are appended to ``errors`` by
     name only: they may concern prompt material. ``lookup_wanted``: a hit in full report
     mode waits for a lookup time too (its label needs none, but only the time tells which
-    store was its re-announcement); once the wait is over it is judged without."""
+    store was its re-announcement); once the wait is over it is judged without.
+    ``unhashable(worker)``: why that worker's engine's chain cannot be hashed from token ids
+    (None: it can); such token ids are never hashed, and the reason goes into the facts."""
     m = assembly.merged_fields()
     prompt_tokens, cached_tokens = m.get("prompt_tokens"), m.get("cached_tokens")
     if prompt_tokens is None or cached_tokens is None:
@@ -336,7 +339,12 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
     spec = _extra_keys(m.get("extra_keys"), errors)
     if spec is not None:
         kinds = kinds or spec.kinds()
-    if chain is None and token_ids is not None and hasher is not None and "kvmiss.extra_keys" not in errors:
+    worker = m.get("worker") or m.get("resource_worker")
+    chain_unavailable = None
+    if chain is None and token_ids is not None and unhashable is not None:
+        chain_unavailable = unhashable(worker)  # a chain hashed the wrong way would mislabel
+    if chain is None and token_ids is not None and hasher is not None and chain_unavailable is None \
+            and "kvmiss.extra_keys" not in errors:
         chain = _hash_tokens(token_ids, spec, hasher, errors)
     lookup_time = m.get("lookup_time")
     transfers = assembly.transfers()
@@ -356,11 +364,12 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         block_size=block_size,
-        worker=m.get("worker") or m.get("resource_worker"),
+        worker=worker,
         dp_rank=m.get("dp_rank"),
         lookup_time=lookup_time,
         lookup_time_latest=lookup_time_latest,
         block_hashes=chain,
+        chain_unavailable=chain_unavailable,
         extra_key_kinds=kinds,
         transfers=transfers,
         instance_hint=m.get("instance"),

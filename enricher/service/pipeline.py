@@ -173,11 +173,13 @@ class Pipeline:
         judge_on_arrival: bool = False,
         unsubscribed_keep_s: float = 600.0,
         pool_blocks: dict[str, int] | None = None,
+        unhashable: Callable[[str | None], str | None] | None = None,
     ):
         self.attributor = attributor
         self.sink = sink
         self.reader = reader or SpanReader()
         self.hasher = hasher
+        self.unhashable = unhashable  # worker -> why its engine's chain is not hashed from tokens
         self.default_block_size = default_block_size
         self.assemble_wait_s = assemble_wait_s
         self.history_wait_s = history_wait_s
@@ -400,7 +402,7 @@ class Pipeline:
         errors: list[str] = []
         expired = final or now - assembly.first_seen >= self.assemble_wait_s
         facts = to_request_facts(assembly, hasher=self.hasher, default_block_size=self.default_block_size,
-                                 errors=errors, lookup_wanted=not expired)
+                                 errors=errors, lookup_wanted=not expired, unhashable=self.unhashable)
         for name in errors:
             self.stats.bad_attributes[name] += 1
         if isinstance(facts, MissingFacts):

@@ -180,7 +180,7 @@ class Service:
             max_pending_spans=config.otlp.max_pending_spans,
             keep_block_hashes=config.export.keep_block_hashes,
             on_verdict=self._on_verdict, clock=clock, judge_on_arrival=True,
-            pool_blocks={w.id: w.pool_blocks for w in config.workers})
+            pool_blocks={w.id: w.pool_blocks for w in config.workers}, unhashable=self._unhashable)
         if not WIRE_SCAN:
             log.warning("!!! OTLP requests are read and written through parsed messages only: "
                         "enricher/otlp/_otlpwire.c was not built (no C compiler at install time, or "
@@ -228,6 +228,11 @@ class Service:
         except HashingError as exc:
             log.warning("kvmiss.token_ids cannot be hashed (%s); spans must carry kvmiss.block_hashes", exc)
             return None
+
+    def _unhashable(self, worker: str | None) -> str | None:
+        """Why ``worker``'s engine's chain cannot be hashed from token ids (its adapter's word)."""
+        stream = self.fleet.streams.get(worker) if worker is not None else None
+        return stream.adapter.token_hashing if stream is not None else None
 
     def _on_stream_action(self, worker: str, action: StreamAction) -> None:
         """Collector thread: batches and tail confirmations go to the loop (their ``at`` is
