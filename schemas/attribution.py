@@ -277,11 +277,13 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # (None: one full-attention group, nothing to choose). ``window_limit``: that group is
     # a sliding-window group, every block of the window it needed at the longest hit the
     # full-attention group allowed was never stored in it (continuous history), and the
-    # full-attention group held the first missed block at t. ``unmodelled``: why the hit
+    # full-attention group held the first missed block at t; or a state group, whose window
+    # is the state at that hit's last block boundary. ``unmodelled``: why the hit
     # rule cannot be reproduced (a group kind kvmiss does not model, block sizes it does
     # not, a model with no full-attention group): a short fixed phrase naming the kind.
     group: int | None = None
-    window_group: bool = False  # ``group`` is a sliding-window group (not full attention)
+    window_group: bool = False  # ``group`` is a sliding-window or state group (not full attention)
+    state_group: bool = False  # ``group`` is a Mamba / linear-attention state group
     window_limit: bool = False
     unmodelled: str | None = None
     # The block the claim needed was announced only by a store that may be a re-announcement

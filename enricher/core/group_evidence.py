@@ -17,8 +17,10 @@ C and the request's chain, the first missed block H = h[C / B]:
     group holds what it needs, the index contradicts the engine: None again, and the caller
     finds H resident (resident_miss).
 
-A group whose hit rule is not modelled (Mamba/linear attention, chunked local attention, a
-kind this release does not know), a model with no full-attention group, or a group whose
+A Mamba / linear-attention state group is read like a window of one block: the state at
+the boundary ``p`` it needed (window_limit when never stored there, evicted when removed).
+A group whose hit rule is not modelled (chunked local attention, a kind this release does
+not know), a model with no full-attention group, or a group whose
 block size is not the request's (fine-grained hash units, ``prefix_match_unit``) gives
 ``Evidence.unmodelled`` naming it: unknown_history, never a label computed as if it were
 full attention (ATTRIBUTION.md rule 8). The timing and continuity rules are evidence.py's.
@@ -112,6 +114,7 @@ def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq:
             failing.append((idx, found))
     if not failing:
         return None  # every group held what it needed: the caller finds H resident
+    state = {idx: rule_for(view.groups.get(idx)).keeps_state for idx, _ in failing}  # a Mamba group's verdicts say so
     for idx, found in failing:
         for at in found:
             if at.fate is Fate.UNPLACED:
@@ -119,15 +122,18 @@ def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq:
                 extra = gap if history is History.GAP else {}
                 if history is History.AGED_OUT:
                     extra = {"window_start_ts": view.horizon_ts}
-                return Evidence(history=history, group=idx, window_group=True, **extra, **base)
+                return Evidence(history=history, group=idx, window_group=True, state_group=state[idx], **extra,
+                                **base)
     for idx, found in failing:
         if any(at.fate is Fate.UNPROVEN for at in found):
-            return Evidence(history=History.CONTINUOUS, group=idx, window_group=True, re_announced=True, **base)
+            return Evidence(history=History.CONTINUOUS, group=idx, window_group=True, state_group=state[idx],
+                            re_announced=True, **base)
     for idx, found in failing:
         for at in found:
             if at.fate is Fate.REMOVED:
                 node = at.interval
                 return Evidence(history=History.CONTINUOUS, presence=Presence.EVICTED, group=idx, window_group=True,
+                                state_group=state[idx],
                                 stored_seq=node.stored_seq, stored_ts=node.stored_ts,  # type: ignore[union-attr]
                                 removed_seq=node.removed_seq, removed_ts=node.removed_ts,  # type: ignore[union-attr]
                                 removed_by_clear=node.removed_by_clear, **base)  # type: ignore[union-attr]
@@ -138,4 +144,4 @@ def limiting_group_evidence(view: EpochResidency, facts: RequestFacts, step_seq:
     if forgotten is not None and start["window_start_ts"] < forgotten:
         start = dict(window_start=WindowStart.HORIZON, window_start_ts=forgotten)  # "not recently"
     return Evidence(history=History.CONTINUOUS, presence=Presence.ABSENT, group=failing[0][0],
-                    window_group=True, window_limit=True, **start, **base)
+                    window_group=True, state_group=state[failing[0][0]], window_limit=True, **start, **base)

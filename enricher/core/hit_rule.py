@@ -9,6 +9,11 @@ Pure (schemas only). Written from vLLM's managers (``vllm/v1/core/single_type_kv
     contiguous cached blocks; the hit ends at the right edge of the rightmost such run. With
     no such run, a run that starts at block 0 is a hit of its own length (shorter than
     ``need``: the window then reaches back past the prompt's start);
+  * a Mamba / linear-attention state group (`MambaManager`, kind ``mamba``): a right-to-left
+    search for the rightmost block whose state it holds; a hit of ``p`` blocks needs only the
+    state at the end of block ``p - 1`` (a window of one block). Which states it keeps (in
+    cache mode "align", the prompt's last boundary below ``N - 1`` and a shared-prefix
+    junction) is the stream's to say, not the rule's;
   * a hybrid (`HybridKVCacheCoordinator`): the longest length every group accepts, found by
     asking each group in turn for its longest hit not past the current candidate until none
     shortens it (full attention first).
@@ -81,6 +86,7 @@ class GroupRule:
 
     modelled = True
     reason: str | None = None
+    keeps_state = False  # a Mamba / linear-attention state group (its verdicts say so)
 
     def hit(self, resident: Callable[[int], bool], max_blocks: int) -> int:
         """Blocks of the group's longest hit of at most ``max_blocks``."""
@@ -110,6 +116,20 @@ class SlidingWindowRule(GroupRule):
         return window_needed(hit_blocks, self.need)
 
 
+class StateRule(GroupRule):
+    """A Mamba / linear-attention group: one state per block boundary, no window behind it.
+    vLLM's `MambaManager.find_longest_cache_hit` (0.32, block = hash block = scheduler block)
+    returns ``i + 1`` blocks for the rightmost ``i`` below the bound whose state is cached."""
+
+    keeps_state = True
+
+    def hit(self, resident: Callable[[int], bool], max_blocks: int) -> int:
+        return window_hit(resident, max_blocks, 1)
+
+    def needed(self, hit_blocks: int) -> range:
+        return window_needed(hit_blocks, 1)
+
+
 class UnmodelledRule(GroupRule):
     modelled = False
 
@@ -132,6 +152,7 @@ def _window_rule(group: KVCacheGroup) -> GroupRule:
 RULES: dict[str, Callable[[KVCacheGroup], GroupRule]] = {
     **{kind: (lambda group: FullAttentionRule()) for kind in FULL_ATTENTION_KINDS},
     **{kind: _window_rule for kind in WINDOW_KINDS},
+    "mamba": lambda group: StateRule(),
 }
 
 

@@ -178,6 +178,9 @@ def attribute(
     if evidence.window_limit:
         return _verdict(
             Label.WINDOW_LIMIT,
+            "the full-attention group held the first missed block, but the linear-attention (Mamba) "
+            "group never kept a state at the boundary it reached (the engine keeps one at prompt ends)"
+            if evidence.state_group else
             "the full-attention group held the first missed block, but the sliding-window group "
             "never kept the window's state at that position (the engine keeps it near prompt ends)",
             **known,
@@ -422,7 +425,8 @@ def _evicted_reason(evidence: Evidence, age_ms: int | None) -> str:
     when = f"{age_ms} ms before lookup" if age_ms is not None else "before lookup"
     where = "the chosen worker's GPU cache" if evidence.group is None else (
         f"KV-cache group {evidence.group} of the chosen worker's GPU cache")
-    what = "a block the sliding-window group needed" if evidence.window_group else "the first missed block"
+    what = ("the state the linear-attention (Mamba) group needed" if evidence.state_group
+            else "a block the sliding-window group needed" if evidence.window_group else "the first missed block")
     return f"{what} was {how} {where} {when}"
 
 

@@ -7,11 +7,14 @@ The hit rule is vLLM's (0.32/0.33, ``HybridKVCacheCoordinator.find_longest_cache
 full-attention group's leading run of cached blocks, up to ``(N - 1) // B``; then each
 sliding-window group keeps the longest length ``p`` at or below it whose last
 ``cdiv(W - 1, B)`` blocks it holds (``SlidingWindowManager``'s right-to-left search; a run of
-fewer blocks reaching block 0 also counts), repeated until no group shortens it. The prediction
-is checked against the cached tokens the engine reported; a request whose prediction fails is
-reported, never judged. A group kind whose rule is not modelled (Mamba / linear-attention
-state) is judged only where the full-attention group itself ended the hit; where that group
-held the first missed block, the truth is an ``unknown_history`` naming the kind.
+fewer blocks reaching block 0 also counts), and each Mamba / linear-attention state group
+(kind ``mamba``, blocks of ``B`` tokens) the longest whose last block's state it holds
+(``MambaManager``'s right-to-left search: a window of one block), repeated until no group
+shortens it. The prediction is checked against the cached tokens the engine reported; a
+request whose prediction fails is reported, never judged. A group whose rule is not modelled
+(another kind, or a state group of another block size) is judged only where the
+full-attention group itself ended the hit; where that group held the first missed block, the
+truth is an ``unknown_history`` naming the kind.
 
 Where the request's lookup sits cannot be seen on the wire: a step's events share one batch,
 and with concurrent traffic several steps may store its first missed block while it is in
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 SLACK_S = 0.1
 FULL_KINDS = {"full_attention", "mla_attention", "sink_full_attention", None}
 WINDOW_KINDS = {"sliding_window", "sliding_window_mla"}
+STATE_KINDS = {"mamba"}  # one state per block boundary: a hit needs its last block's state
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Group:
     block_size: int | None = None
 
     def window_blocks(self, block: int) -> int | None:
+        if self.kind in STATE_KINDS:
+            return 1 if (self.block_size or block) == block else None
         if self.kind not in WINDOW_KINDS or not self.window:
             return None
         return -(-(self.window - 1) // (self.block_size or block))
@@ -113,7 +119,8 @@ class Stream:
         fulls = [g.idx for g in self.groups.values() if g.kind in FULL_KINDS]
         self.full = min(fulls) if fulls else None
         self.unmodelled = sorted({g.kind or "?" for g in self.groups.values()
-                                  if g.kind not in FULL_KINDS and g.kind not in WINDOW_KINDS})
+                                  if g.kind not in FULL_KINDS and g.kind not in WINDOW_KINDS
+                                  and g.window_blocks(block) is None})
         self.skipped: set[tuple[int, int]] = set()  # (batch index, event index) re-announcements
         self.holders: collections.Counter = collections.Counter()  # hash -> requests whose chain has it
 
@@ -133,8 +140,8 @@ class Stream:
         blocks a concurrent repeat then hit and re-announced. vLLM re-announces the whole
         chain in every group (``KVCacheCoordinator.emit_cached_block_events``: one event per
         group, ``len(group_blocks)`` hashes from block 0), but a sliding-window group hit only
-        the last ``cdiv(W - 1, B)`` of them (the rest are its null blocks): only those must be
-        held there."""
+        the last ``cdiv(W - 1, B)`` of them and a state group only the last one (the rest are
+        its null blocks): only those must be held there."""
         wanted: dict[tuple, list[Lookup]] = collections.defaultdict(list)
         for lk in lookups:
             if lk.full_report and lk.cached >= self.block:

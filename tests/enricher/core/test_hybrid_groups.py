@@ -131,18 +131,20 @@ def test_a_prompt_the_full_attention_group_never_held_is_no_match_even_in_a_hybr
     assert v.label is Label.NO_MATCH
 
 
-def test_a_mamba_group_that_limited_the_hit_is_unknown_history_naming_the_kind():
-    mamba = 2
-    index, a = worker({3: [full_stored(*P), group_stored(mamba, P[5], kind="mamba")]})
+def test_a_group_of_a_kind_not_modelled_that_limited_the_hit_is_unknown_history_naming_the_kind():
+    """Chunked local attention has no rule here (Mamba state groups do:
+    test_state_groups.py)."""
+    local = 2
+    index, a = worker({3: [full_stored(*P), group_stored(local, P[5], kind="chunked_local_attention")]})
     v = judge(index, chain_request("A", a.ts(10) - 0.5, Q, prompt_tokens=130, cached_tokens=0))
-    assert v.label is Label.UNKNOWN_HISTORY and "mamba" in v.reason
+    assert v.label is Label.UNKNOWN_HISTORY and "chunked_local_attention" in v.reason
 
 
-def test_with_a_mamba_group_a_miss_the_full_attention_group_explains_is_still_judged():
+def test_with_a_group_not_modelled_a_miss_the_full_attention_group_explains_is_still_judged():
     """The full-attention group cut the hit at H itself (it never held H): the engine could not
-    have served more whatever the Mamba group held, so the label stands."""
-    mamba = 2
-    index, a = worker({3: [full_stored(*P), group_stored(mamba, P[5], kind="mamba")]})
+    have served more whatever the other group held, so the label stands."""
+    local = 2
+    index, a = worker({3: [full_stored(*P), group_stored(local, P[5], kind="chunked_local_attention")]})
     other = [0xD000 + i for i in range(4)]
     v = judge(index, chain_request("A", a.ts(10) - 0.5, other, prompt_tokens=130, cached_tokens=0))
     assert v.label is Label.NO_MATCH
