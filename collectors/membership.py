@@ -19,7 +19,8 @@ from typing import Protocol
 
 import msgspec
 
-from kvmiss.schemas.config import ConfigError, FleetConfig, WorkerSpec, check_workers, parse_fleet_file
+from kvmiss.schemas.config import ConfigError, FleetConfig, WorkerSpec, check_workers, parse_fleet_entries
+from kvmiss.schemas.engine_sources import EngineEntry, FleetEnginesConfig
 from kvmiss.schemas.fleet import FleetChange
 
 STATIC = "static"  # the main config's [[workers]]: members for the life of the process
@@ -133,6 +134,7 @@ class FileSource:
         self.where = self.path = path
         self._seen: tuple | None = None  # the identity of what was last read, or an error's
         self._polled = float("-inf")  # when (wall clock) the previous poll began
+        self.engines: tuple[EngineEntry, ...] = ()  # the last good file's [[engines]] (asked by EngineSource)
 
     async def poll(self) -> Desired | Refusal | None:
         now, previous = time.time(), self._polled
@@ -156,9 +158,10 @@ class FileSource:
         except UnicodeDecodeError:
             return Refusal(RefusalReason.NOT_TOML, f"{self.path}: not valid TOML: not UTF-8")
         try:
-            specs = tuple(parse_fleet_file(text, source=self.path))
+            workers, engines = parse_fleet_entries(text, source=self.path)
         except ConfigError as exc:
             return Refusal(RefusalReason(exc.reason), str(exc))
+        specs, self.engines = tuple(workers), tuple(engines)
         at = min(max(st.st_ctime_ns / 1e9, previous), now)
         return Desired(specs, at=at, since=at)
 
@@ -174,15 +177,19 @@ def build_sources(config: FleetConfig, announcements=None) -> list[MembershipSou
     ``announcements``: where the collector thread reports workers that announced themselves
     on [fleet.topics] (members = "announced"); without it that source is left out."""
     from kvmiss.collectors.membership_dns import DnsMembership  # (they import this module)
+    from kvmiss.collectors.membership_engines import EngineSource
     from kvmiss.collectors.membership_topics import TopicScheme, TopicSource
 
     sources: list[MembershipSource] = []
-    if config.file is not None:
-        sources.append(FileSource(config.file))
+    file = None if config.file is None else FileSource(config.file)
+    if file is not None:
+        sources.append(file)
     topics = None if config.topics is None else TopicScheme(config.topics)
     if config.dns is not None:
         listed = topics is not None and config.topics.members == "listed"
         sources.append(DnsMembership(config.dns, topics=topics if listed else None))
     if topics is not None and config.topics.members == "announced" and announcements is not None:
         sources.append(TopicSource(topics, announcements))
+    if config.engines is not None or file is not None:  # (after the file: it asks the file's [[engines]])
+        sources.append(EngineSource(config.engines or FleetEnginesConfig(), file=file))
     return sources

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+from kvmiss.schemas.engine_sources import EngineEntry, FleetEnginesConfig, check_engine_entries, check_fleet_engines
 from kvmiss.schemas.span_attributes import InputNames
 
 # The engines a worker may name (`WorkerSpec.engine`): each has its adapter in
@@ -317,6 +318,7 @@ class FleetConfig(_Section):
     membership_uncertainty_s: float = 2.0
     dns: FleetDnsConfig | None = None  # [fleet.dns]
     topics: FleetTopicsConfig | None = None  # [fleet.topics]
+    engines: FleetEnginesConfig | None = None  # [fleet.engines]: engines asked for their endpoints
 
 
 class Config(_Section):
@@ -336,6 +338,7 @@ class FleetFile(_Section):
     """A ``[fleet] file``: ``[[workers]]`` tables, nothing else."""
 
     workers: list[WorkerSpec] | None = None  # None: the key is missing (an empty file)
+    engines: list[EngineEntry] | None = None  # engines asked for their endpoints ([fleet.engines])
 
 
 # ZeroMQ carries the heartbeat TTL in tenths of a second in 16 bits.
@@ -385,11 +388,18 @@ def parse_fleet_file(text: str, *, source: str = "<fleet file>") -> list[WorkerS
     """The workers of a ``[fleet] file``, under the same rules as the main config's
     ``[[workers]]``. A file without a ``workers`` key (empty: a writer that truncated it in
     place) is refused; ``workers = []`` is a fleet of none."""
+    return parse_fleet_entries(text, source=source)[0]
+
+
+def parse_fleet_entries(text: str, *, source: str = "<fleet file>") -> tuple[list[WorkerSpec], list[EngineEntry]]:
+    """A ``[fleet] file``'s workers and the engines it lists to ask (``[[engines]]``); a file
+    with neither key is refused as empty."""
     fleet = _decode(text, FleetFile, source)
-    if fleet.workers is None:
+    if fleet.workers is None and fleet.engines is None:
         raise ConfigError(f"{source}: no workers key (write `workers = []` for an empty fleet)", "empty")
-    check_workers(fleet.workers, source)
-    return fleet.workers
+    check_workers(fleet.workers or [], source)
+    check_engine_entries(fleet.engines or [], source)
+    return fleet.workers or [], fleet.engines or []
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
@@ -528,6 +538,8 @@ def _check(config: Config, source: str) -> None:
     if fleet.dns is not None:
         # (No floor from interval_s: a change is dated between two answers, however far apart.)
         check_fleet_dns(fleet.dns, source)
+    if fleet.engines is not None:
+        check_fleet_engines(fleet.engines, source, file=fleet.file is not None)
     if fleet.topics is not None:
         check_fleet_topics(fleet.topics, source)
         if fleet.topics.members == "listed" and fleet.dns is None and fleet.file is None:

@@ -216,6 +216,18 @@ def _resolved_fleet(config) -> list[str] | None:
         answer = asyncio.run(source.poll())
         if isinstance(answer, Desired):
             answer = members.propose(source.name, answer, 0.0)
+        engines = getattr(source, "check_lines", None)  # [fleet.engines]: what each engine answered
+        if engines is not None and (config.fleet.engines is not None or source.engines):
+            lines.append(f"fleet {source.name} {source.where}: {len(source.engines)} listed, "
+                         f"{len(members.by_source.get(source.name, {}))} workers")
+            lines += engines()
+            if hasattr(answer, "reason"):
+                print(f"kvmiss serve: fleet {source.name}: would be refused ({answer.reason.value}): {answer.detail}",
+                      file=sys.stderr)
+                return None
+            continue
+        if engines is not None:
+            continue
         if answer is None:
             said = getattr(source, "last_answer", None)  # what a resolver was told, if it was
             what = "no answer yet" if said is None else f"{said.outcome.value} ({said.reason})"

@@ -61,6 +61,7 @@ class KvmissCollector(Collector):
         fleet: tuple[FleetStats, Callable[[], Mapping[MemberState, int]]] | None = None,
         recently_departed: Callable[[], Container[str]] = frozenset,
         dns_outcomes: Callable[[], Mapping[str, int]] | None = None,
+        engine_answers: Callable[[], Mapping[tuple[str, str], int]] | None = None,
         topic_drops: Callable[[], Mapping[str, int]] | None = None,
         unreachable: Callable[[], Mapping[str, int]] | None = None,
         discarded: Callable[[], int] | None = None,
@@ -82,6 +83,7 @@ class KvmissCollector(Collector):
         # served (judged after they left) are not counted as "untracked".
         self.recently_departed = recently_departed
         self.dns_outcomes = dns_outcomes  # [fleet.dns]: resolutions by outcome
+        self.engine_answers = engine_answers  # [fleet.engines]: asks by (outcome, reason)
         self.topic_drops = topic_drops  # [fleet.topics]: messages not applied, by reason
         self.unknown_budget = unknown_budget
         self.exemplars = exemplars if exemplars is not None else {}
@@ -134,6 +136,14 @@ class KvmissCollector(Collector):
             for outcome in DNS_OUTCOMES:
                 resolutions.add_metric([outcome], outcomes.get(outcome, 0))
             yield resolutions
+        if self.engine_answers is not None:
+            answers = CounterMetricFamily(
+                "kvmiss_fleet_engine_answers", "[fleet.engines] asks of /kv_event_sources by outcome: answered, "
+                "failed (no answer: nothing departs), refused (an answer kvmiss cannot use, by reason).",
+                labels=["outcome", "reason"])
+            for (outcome, reason), n in sorted(self.engine_answers().items()):
+                answers.add_metric([outcome, reason], n)
+            yield answers
         if self.topic_drops is not None:
             dropped = CounterMetricFamily(
                 "kvmiss_fleet_topic_messages_dropped", "[fleet.topics] messages not applied, by reason: unmatched (the "

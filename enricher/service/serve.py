@@ -192,6 +192,7 @@ class Service:
                         "twice the CPU per event (benchmarks/RESULTS.md). Reinstall kvmiss with a C compiler present. !!!")
         self.receivers = Receivers(config.otlp, self)  # self.consume: see there
         dns = next((s for s in self.fleet_watch.sources if s.name == "dns"), None)
+        engines = next((s for s in self.fleet_watch.sources if s.name == "engines"), None)
         self.registry = CollectorRegistry()
         self.health = HealthEndpoint(self.registry, self.ready, self.worker_status)  # /metrics, /healthz, /readyz
         self.registry.register(KvmissCollector(
@@ -204,6 +205,7 @@ class Service:
             fleet=(self.fleet_stats, self.member_states), recently_departed=lambda: self._departed,
             aged_out=lambda: (*self.index.aged_out_remembered(), self.index.aged_out_forgotten),
             dns_outcomes=None if dns is None else lambda: {o.value: n for o, n in dns.outcomes.items()},
+            engine_answers=None if engines is None else engines.answers,
             topic_drops=None if self.topic_feed is None else lambda: dict(self.topic_feed.counts),
             unreachable=self.worker_watch.unreachable_by_cause,
             discarded=(lambda: self.sink.discarded_spans) if config.export.discard else None))

@@ -184,8 +184,9 @@ def test_a_symlink_swap_as_a_configmap_volume_does_is_seen(tmp_path):
 
 def test_build_sources_follows_the_fleet_section(tmp_path):
     assert build_sources(FleetConfig()) == []
-    (source,) = build_sources(FleetConfig(file=str(tmp_path / "f.toml")))
+    source, engines = build_sources(FleetConfig(file=str(tmp_path / "f.toml")))
     assert (source.name, source.where) == ("file", str(tmp_path / "f.toml"))
+    assert engines.name == "engines" and engines.file is source  # it asks the file's [[engines]]
 
 
 def test_a_fleet_from_the_file_is_stamped_with_when_it_became_visible(tmp_path):

@@ -75,8 +75,11 @@ def config_sections() -> dict[str, type[msgspec.Struct]]:
         kind = typing.get_args(field.type)[0] if typing.get_origin(field.type) is list else field.type
         assert isinstance(kind, type) and issubclass(kind, msgspec.Struct), field
         sections[field.name] = kind
-        for sub, sub_kind in _subsections(kind):  # e.g. [fleet.dns]: a table inside a table
-            sections[f"{field.name}.{sub}"] = sub_kind
+        tables = [(f"{field.name}.{sub}", sub_kind) for sub, sub_kind in _subsections(kind)]
+        while tables:  # e.g. [fleet.dns], [fleet.engines.dns]: tables inside tables
+            name, sub_kind = tables.pop()
+            sections[name] = sub_kind
+            tables += [(f"{name}.{sub}", k) for sub, k in _subsections(sub_kind)]
     return sections
 
 
@@ -101,7 +104,7 @@ def example_lines() -> dict[str, list[str]]:
     current: list[str] = []
     for line in EXAMPLE.read_text().splitlines():
         # A table inside a table ([fleet.dns]) may be shown commented out, as optional ones are.
-        header = re.fullmatch(r"\[\[?(\w+)\]\]?\s*(#.*)?", line) or re.fullmatch(r"#\s?\[(\w+\.\w+)\]\s*(#.*)?", line)
+        header = re.fullmatch(r"\[\[?(\w+)\]\]?\s*(#.*)?", line) or re.fullmatch(r"#\s?\[(\w+(?:\.\w+)+)\]\s*(#.*)?", line)
         if header:
             current = sections.setdefault(header[1], [])
         else:
