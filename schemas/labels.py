@@ -69,9 +69,10 @@ LABELS: dict[Label, LabelInfo] = {
     Label.WINDOW_LIMIT: LabelInfo(
         owner=Owner.NONE, is_miss=True, is_unknown=False, settled_at_any_time=False,
         colour="#c5e1a5",
-        advice="Nothing in the prompt or router: the model's sliding-window layers kept no state at "
-               "that position (vLLM keeps it at the shared-prefix junction it detected, so later "
-               "requests can hit); a cost to weigh in the choice of model or cache settings."),
+        advice="Nothing in the prompt or router: the model's sliding-window or linear-attention layers "
+               "kept no state at that position (vLLM keeps it at prompt ends and at the shared-prefix "
+               "junction it detected, so later requests can hit); a cost to weigh in the choice of model "
+               "or cache settings."),
     Label.ROUTING_MISS: LabelInfo(
         owner=Owner.ROUTING, is_miss=True, is_unknown=False, settled_at_any_time=False,
         colour="#7e57c2",
