@@ -58,6 +58,8 @@ SEED = "0"  # PYTHONHASHSEED on the engine = [engine] hash_seed
 ALGO = "sha256_cbor"
 POOL_BLOCKS = 16
 MAX_PROMPT = 250  # vLLM runs with --max-model-len 256 and one output token
+# What the router's spans say beyond SPANS.md's inputs (--router-spans).
+ROUTER_SPANS = ("spans-md", "report-mode", "all")
 
 
 # --- the workload ------------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def judge_truth(requests: list[Request], batches: list[tuple[int, float, list]])
 class Router:
     """Spans as a router with the real OTel SDK emits them (BatchSpanProcessor defaults)."""
 
-    def __init__(self, otlp_grpc: str):
+    def __init__(self, otlp_grpc: str, spans: str = "all"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -247,6 +249,7 @@ class Router:
         self.tracer = self.provider.get_tracer("kvmiss-field-run")
         self.hasher = BlockHasher(ALGO, seed=SEED, block_size=BLOCK)
         self.external_hash = external_hash
+        self.spans = spans  # ROUTER_SPANS: which attributes beyond SPANS.md's inputs it sets
 
     def chain(self, tokens: list[int]) -> list[int]:
         return [self.external_hash(d) for d in self.hasher.hash_request(tokens)]
@@ -290,10 +293,12 @@ def send(port: int, request: Request, router: Router | None) -> None:
             "kvmiss.block_size": BLOCK,
             "kvmiss.block_hashes": [h - (1 << 64) if h >= 1 << 63 else h for h in chain],
         })
-        if request.full_report:  # the router set vllm_xargs, so it says so (tells re-announcements apart)
+        if request.full_report and router.spans != "spans-md":
+            # The router set vllm_xargs, so it says so: only the request tells its
+            # re-announcement apart from a second copy (docs/VLLM.md, "Router spans").
             span.set_attribute("kvmiss.kv_cache_report_mode", "full")
-        # It asks for no prompt logprobs, so vLLM reads the prefix cache for every request.
-        span.set_attribute("kvmiss.skip_reading_prefix_cache", False)
+        if router.spans == "all":  # it asks for no prompt logprobs: vLLM reads the cache for every request
+            span.set_attribute("kvmiss.skip_reading_prefix_cache", False)
         span.end()
 
 
@@ -348,7 +353,8 @@ def write_run_capture(path: Path, recorder, requests: list[Request], summary: di
     with (gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w")) as out:
         out.write(json.dumps({"run": {k: summary[k] for k in (
             "arch", "mode", "in_flight", "pool_blocks", "groups", "requests", "with_truth", "misses", "wrong",
-            "unknown", "excluded", "re_announcements_skipped", "unmodelled_kinds")}}) + "\n")
+            "unknown", "excluded", "re_announcements_skipped", "unmodelled_kinds")}
+                                     | {k: summary[k] for k in ("router_spans",) if k in summary}}) + "\n")
         for frames, (seq, recv, _) in zip(recorder.all_frames, recorder.batches):
             out.write(json.dumps({"source": "live", "seq": seq, "recv_ts": recv,
                                   "frames": [base64.b64encode(f).decode() for f in frames]}) + "\n")
@@ -494,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrent-share", type=float, default=0.5)
     parser.add_argument("--full-report-share", type=float, default=0.0,
                         help='share of requests sent with vllm_xargs {"kv_cache_report_mode": "full"}')
+    parser.add_argument("--router-spans", choices=ROUTER_SPANS, default="all",
+                        help="the router's span attributes: spans-md = exactly SPANS.md's inputs; report-mode = "
+                             "those and kvmiss.kv_cache_report_mode on requests sent in full report mode; "
+                             "all = also kvmiss.skip_reading_prefix_cache = false on every request")
     parser.add_argument("--capture-run", type=Path,
                         help="write the whole run (every live message, kvmiss's request records, the truth) "
                              "as a test fixture (tests/data/engines/)")
@@ -545,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         base.wait_http(f"http://127.0.0.1:{ports['vllm']}/health", args.start_timeout, vllm, "vLLM", run_dir / "vllm.log")
         time.sleep(6.0)  # kvmiss's subscriber reconnects with a backoff of up to 5 s
         if "router" in args.mode:
-            router = Router(f"http://127.0.0.1:{ports['otlp_grpc']}")
+            router = Router(f"http://127.0.0.1:{ports['otlp_grpc']}", args.router_spans)
         started = time.monotonic()
         i = 0
         while i < len(requests):
@@ -621,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     collect_labels(requests, spans)
     read_request_records(requests, run_dir / "request-records.jsonl")
     extra["arch"], extra["in_flight"], extra["pool_blocks"] = args.arch, args.in_flight, args.pool_blocks
+    if "router" in args.mode:
+        extra["router_spans"] = args.router_spans
     extra["kvmiss_metrics"] = {name: metric(metrics, name) for name in REPORTED_METRICS}
     summary = summarise(requests, args.mode, args.pacing, extra)
     if args.capture_run is not None:
