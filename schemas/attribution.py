@@ -146,6 +146,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 # this release does not know) is judged `unknown_history` naming it (ATTRIBUTION.md rule 8).
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+STATE_KINDS = frozenset({"mamba"})  # one state per block boundary (vLLM's MambaManager)
 
 
 class KVCacheGroup(msgspec.Struct, frozen=True):
@@ -164,8 +165,11 @@ class KVCacheGroup(msgspec.Struct, frozen=True):
 
     @property
     def window_blocks(self) -> int | None:
-        """Contiguous blocks a hit needs in a window group: cdiv(W - 1, B) (the token at the
-        hit position is itself inside the window); None when not a modelled window group."""
+        """Contiguous blocks a hit needs, ending at it, in a window group: cdiv(W - 1, B) (the
+        token at the hit position is itself inside the window); in a Mamba / linear-attention
+        state group 1 (its state at the hit's last boundary); None when neither is modelled."""
+        if self.kind in STATE_KINDS and self.block_size > 0:
+            return 1
         if self.kind not in WINDOW_KINDS or not self.window_tokens or self.block_size <= 0:
             return None
         return max(0, -(-(self.window_tokens - 1) // self.block_size))

@@ -88,7 +88,8 @@ def test_window_blocks_is_cdiv_of_the_window_less_one():
     assert KVCacheGroup(0, "sliding_window", 64, 32).window_blocks == 2  # cdiv(63, 32)
     assert KVCacheGroup(0, "sliding_window", 65, 32).window_blocks == 2  # cdiv(64, 32)
     assert KVCacheGroup(0, "sliding_window", 66, 32).window_blocks == 3
-    assert KVCacheGroup(0, "mamba", None, 32).window_blocks is None
+    assert KVCacheGroup(0, "mamba", None, 32).window_blocks == 1  # a state group: its state at the last boundary
+    assert KVCacheGroup(0, "chunked_local_attention", None, 32).window_blocks is None
 
 
 # --- groups learned from the events ------------------------------------------------------------

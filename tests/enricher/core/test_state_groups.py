@@ -140,3 +140,36 @@ def test_a_state_group_of_another_block_size_stays_unknown_naming_it():
     index, a = worker({3: [group_stored(STATE, P[5], kind="mamba", block_size=64), full_stored(*P)]})
     v = judge(index, chain_request("A", a.ts(10) - 0.5, Q, prompt_tokens=130, cached_tokens=0))
     assert v.label is Label.UNKNOWN_HISTORY and "block size 64" in v.reason
+
+
+# --- counts: a recompute after a state-group miss is a copy, not a re-announcement -------------
+
+def test_the_recompute_after_a_state_group_miss_is_a_copy_even_if_full_report_mode_may_be_used():
+    """Q (80 tokens: P's first two blocks) misses both: the full-attention group held them, no
+    state was kept at block 1. Its recompute stores P[0], P[1] again with no parent -- on the
+    wire like a full-report re-announcement -- and its state group stores only its own state
+    at block 1, a state the group did not hold. vLLM's re-announcement of a state group's hit
+    names the chain up to the state it held (`emit_cached_block_events`), so this is a real
+    copy: after both copies of P[0] are removed, P misses it -> evicted (it was
+    unknown_history while the state group's store was not read as the window of one block
+    vLLM's rule makes it)."""
+    index, a = worker({3: [state_stored(P[5]), full_stored(*P)],  # (the index's default: full report may be used)
+                       6: [state_stored(P[1]), full_stored(P[0], P[1])],
+                       9: group_removed(FULL, P[0], P[0])})
+    q = judge(index, chain_request("A", a.ts(6) - 0.5, P[:2], prompt_tokens=80, cached_tokens=0))
+    assert q.label is Label.WINDOW_LIMIT
+    assert index.anomalies.get(("re_announced_stores", "A"), 0) == 0
+    v = judge(index, chain_request("A", a.ts(12) - 0.5, P, prompt_tokens=200, cached_tokens=0))
+    assert v.label is Label.EVICTED and v.removed_seq == 9
+
+
+def test_a_state_groups_re_announcement_is_no_copy_of_its_own():
+    """A full-report request that hit P's first five blocks through the state at block 4:
+    vLLM re-announces P[0..4] in both groups with no parent. The state group held P[4] only,
+    so its store is a re-announcement, and the blocks it names below are not proven stored:
+    a later request sharing P's first two blocks is not claimed window_limit."""
+    index, a = worker({3: [state_stored(P[4]), full_stored(*P)],
+                       6: [state_stored(*P[:5]), full_stored(*P[:5])]})  # group order, as vLLM sends them
+    assert index.anomalies[("re_announced_stores", "A")] == 2
+    v = judge(index, chain_request("A", a.ts(10) - 0.5, Q, prompt_tokens=130, cached_tokens=0))
+    assert v.label is Label.UNKNOWN_HISTORY and "re-announce" in v.reason
