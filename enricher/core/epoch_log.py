@@ -19,6 +19,10 @@ from kvmiss.schemas.stream import RunStart
 
 log = logging.getLogger("kvmiss.index")
 
+# How long after a lookup a tail confirmation must have been sent to prove history reached
+# it (schemas/config.py: history.clock_skew_s + history.publish_delay_s).
+TAIL_MARGIN_S = 1.25
+
 
 class LookupPoint(NamedTuple):
     """Where a lookup at t falls in one lifetime's history, with the doubts that leaves.

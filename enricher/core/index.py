@@ -18,17 +18,18 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvmiss.enricher.core.epoch_log import TAIL_MARGIN_S
 from kvmiss.enricher.core.epoch_residency import EpochResidency
 from kvmiss.enricher.core.membership import Joined, Membership
 from kvmiss.enricher.core.residency_table import SEQ_SPAN, bisect_left, warn_if_not_accelerated
+from kvmiss.enricher.core.residency_types import GPU
+from kvmiss.enricher.core.worker_lookup import WorkerLookup, choose_view
+from kvmiss.schemas.attribution import History
 from kvmiss.schemas.fleet import FleetChange
 from kvmiss.schemas.stream import AppliedBatch
 
 log = logging.getLogger("kvmiss.index")
 
-# How long after a lookup a tail confirmation must have been sent to prove history reached
-# it (schemas/config.py: history.clock_skew_s + history.publish_delay_s).
-TAIL_MARGIN_S = 1.25
 
 
 class ResidencyIndex:
@@ -158,6 +159,25 @@ class ResidencyIndex:
         if view is not None and view.epoch == epoch:
             self.generation += 1
             view.confirm_tail(seq, at)
+
+    def lookup(self, worker: str | None, t: float | None, instance_hint: str | None = None) -> WorkerLookup:
+        """The worker at lookup time ``t``: the one question evidence asks about the chosen
+        worker (enricher/core/worker_lookup.py)."""
+        if worker is None or worker not in self.tracked:
+            return WorkerLookup(History.UNTRACKED)
+        views = self.views(worker)
+        if not views:
+            return WorkerLookup(History.LAGGING)  # tracked, nothing applied yet
+        if t is None:
+            return WorkerLookup(History.LAGGING, epoch=views[0].epoch)
+        view = choose_view(views, instance_hint, t, self.tail_margin_s)
+        if view is None or not view.epoch_certain:
+            # Whichever lifetime served t, did it have one full-attention group and no offload
+            # tier? Then no label above routing_miss can come from the chosen worker.
+            plain = (instance_hint is None or any(v.instance == instance_hint for v in views)) and all(
+                not v.hybrid and set(v.media) <= {GPU} for v in views)
+            return WorkerLookup(History.EPOCH_UNKNOWN, plain=plain)
+        return WorkerLookup(None, view, view.lookup_point(t, self.tail_margin_s), t, self.tail_margin_s)
 
     def reaches(self, view: EpochResidency, t: float) -> bool:
         return view.reaches(t, self.tail_margin_s)

@@ -1,4 +1,4 @@
-"""The fleet view's short cut (evidence.FleetRound) against judging every other worker one by
+"""The fleet view's short cut (fleet_view.FleetRound) against judging every other worker one by
 one: on random fleets -- gaps, restarts, unsettled epochs, clears, tail confirmations, a second
 medium, retention, skewed clocks -- both give the same holders, unresolved reasons and skewed
 clocks, in the same order, for every chosen worker, block and lookup time. And the Attributor's
@@ -12,7 +12,8 @@ from fleet_builders import cleared, removed, request, stored
 from hypothesis import given, settings, strategies as st
 
 from kvmiss.enricher.core.attribution import Attributor
-from kvmiss.enricher.core.evidence import FleetRound, _fleet, _other_worker, _Stepped, _Unsettled, gather
+from kvmiss.enricher.core.evidence import gather
+from kvmiss.enricher.core.fleet_view import FleetRound, _other_worker, _Stepped, _Unsettled, others_at
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.membership import Standing
 from kvmiss.enricher.core.residency_table import BlockTable, holding
@@ -134,7 +135,7 @@ def test_the_round_gives_what_asking_every_worker_gives(seed, workers, steps):
             for t in fleet.lookup_times():
                 for chosen in fleet.state:
                     for key in KEYS:
-                        assert _fleet(fleet.index, chosen, key, t, clocks, fleet=round_) == \
+                        assert others_at(fleet.index, chosen, key, t, clocks, fleet=round_) == \
                             one_by_one(fleet.index, chosen, key, t, clocks), (chosen, key, t)
 
 
