@@ -90,6 +90,9 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     transfers: tuple[TransferAttempt, ...] = ()
     instance_hint: str | None = None  # e.g. resource service.instance.id
     route_policy: str | None = None
+    # The router's candidate set for this request (`kvmiss.route.candidates`), sorted: the
+    # fleet at t as the router saw it. None: not sent (membership sources decide).
+    route_candidates: tuple[str, ...] | None = None
     predicted_cached_tokens: int | None = None
     # vLLM's `kv_cache_report_mode` of the request ("full": the engine re-announced the chain
     # it reused -- what tells that store from a duplicate, ATTRIBUTION.md rule 7).

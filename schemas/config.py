@@ -313,9 +313,11 @@ class FleetConfig(_Section):
     # changes (writers replace it by rename: a ConfigMap, a sidecar, a deploy tool).
     file: str | None = None
     poll_interval_s: float = 0.25  # how often sources are checked; a change applies within it
-    # Bound on how far apart two replicas' observations of one change may be (each polls on
-    # its own): the proof rules treat a lookup this close to a join or departure as uncertain.
-    membership_uncertainty_s: float = 2.0
+    # Bound on how far the router's switch may lie from the instant a source stamps a change
+    # (the file's ctime, the poll that saw it), engine clock skew included: lookups this close
+    # to a join or departure are uncertain. Replicas need no share of it (their intervals hold
+    # the change). A router seen choosing a worker later than this after it left widens it.
+    membership_uncertainty_s: float = 0.5
     dns: FleetDnsConfig | None = None  # [fleet.dns]
     topics: FleetTopicsConfig | None = None  # [fleet.topics]
     engines: FleetEnginesConfig | None = None  # [fleet.engines]: engines asked for their endpoints

@@ -23,6 +23,9 @@ class InputNames(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.route.worker"])
     dp_rank: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.route.dp_rank"])
     route_policy: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.route.policy"])
+    # The workers the router could choose from for this request (its candidate set, worker ids
+    # as `worker`): the fleet at the lookup, settled by the router itself (docs/FLEET.md).
+    route_candidates: list[str] = msgspec.field(default_factory=lambda: ["kvmiss.route.candidates"])
     predicted_cached_tokens: list[str] = msgspec.field(
         default_factory=lambda: ["kvmiss.route.predicted_cached_tokens"])
     instance: list[str] = msgspec.field(default_factory=lambda: ["service.instance.id"])

@@ -196,6 +196,38 @@ def _member_worker(index: ResidencyIndex, worker: str, key: int, t: float,
     return held.unresolved
 
 
+def candidates_at(index: ResidencyIndex, chosen: str, key: int, t: float, candidates: Collection[str],
+                  clocks: Clocks | None = None) -> FleetAt:
+    """`others_at` when the router said whom it could choose (``kvmiss.route.candidates``): the
+    fleet at t is exactly those, so no membership is unsettled and no other worker counts. A
+    candidate the index does not follow may have held H: unresolved, never absent."""
+    holders: list[Holder] = []
+    unresolved: list[History] = []
+    skewed: list[ClockOffset] = []
+    stepped: list[str] = []
+    margin = index.tail_margin_s
+    for worker in sorted(candidates):
+        if worker == chosen:
+            continue
+        if worker not in index.tracked:
+            unresolved.append(History.UNTRACKED)
+            continue
+        clock = clocks(worker) if clocks is not None else None
+        if clock is not None and not clock.within_bound:
+            skewed.append(clock)
+            continue
+        found = _member_worker(index, worker, key, t, margin)
+        if isinstance(found, Holder):
+            holders.append(found)
+        elif found.__class__ is _Stepped:
+            stepped.append(str(found))
+        elif found is not None:
+            unresolved.append(found)  # type: ignore[arg-type]
+    if not (holders or unresolved or skewed or stepped):
+        return NOBODY
+    return FleetAt(tuple(holders), tuple(unresolved), tuple(skewed), (), tuple(stepped))
+
+
 def others_at(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
               unsubscribed: Collection[str] = (), fleet: FleetRound | None = None) -> FleetAt:
     """Every other tracked worker that counts at t: who provably held H at t, why the rest

@@ -43,7 +43,7 @@ class ResidencyIndex:
 
     def __init__(self, workers: Iterable[str] = (), *, retention_s: float = 600.0,
                  keep_previous_epochs: int = 1, divergence_detail: bool = False,
-                 tail_margin_s: float = TAIL_MARGIN_S, membership_uncertainty_s: float = 2.0,
+                 tail_margin_s: float = TAIL_MARGIN_S, membership_uncertainty_s: float = 0.5,
                  dynamic_membership: bool = False, aged_out_horizon_s: float = 3600.0,
                  re_announcements: bool = True):
         workers = list(workers)
@@ -121,6 +121,16 @@ class ResidencyIndex:
                 self.tracked.add(spec.id)
             if joined is Joined.REJOINED or joined is Joined.REPLACED:
                 self._seal(spec.id)
+
+    def router_chose(self, worker: str, t: float) -> float | None:
+        """A span says the router chose ``worker`` for a lookup at ``t`` (`Membership.chosen`):
+        the lag it shows, when that widened the membership band (the fleet view then changes)."""
+        band = self.membership.band_s
+        lag = self.membership.chosen(worker, t)
+        if self.membership.band_s == band:
+            return None
+        self.generation += 1
+        return lag
 
     def _seal(self, worker: str) -> None:
         """A worker back under its id: its current view becomes read-only at once, and only

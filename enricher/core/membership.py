@@ -45,6 +45,8 @@ from kvmiss.schemas.config import WorkerSpec
 
 INF = float("inf")
 RELEASED_KEPT = 4096  # ids of released workers remembered (spans naming them are not the fleet's)
+BAND_MAX_S = 60.0  # the most a router's own choices may widen the band to
+BAND_HEADROOM = 1.5  # a widened band covers the lag seen times this
 
 
 class Standing(enum.Enum):
@@ -66,7 +68,7 @@ class Joined(enum.Enum):
 class Membership:
     """Per-worker membership spans; see the module docstring. Not thread-safe."""
 
-    def __init__(self, static: Iterable[str] = (), *, band_s: float = 2.0, dynamic: bool = False):
+    def __init__(self, static: Iterable[str] = (), *, band_s: float = 0.5, dynamic: bool = False):
         if not band_s >= 0:
             raise ValueError("membership band must be >= 0")
         self.band_s = band_s
@@ -86,6 +88,7 @@ class Membership:
         self.known_through = INF
         self.joins = 0
         self.departures = 0
+        self.band_widened = 0  # times the router's own choices showed the band too short
 
     # --- changes ---------------------------------------------------------------------------
 
@@ -169,6 +172,28 @@ class Membership:
                 if len(spans) == 1:
                     self._rejoined.discard(worker)
         return gone
+
+    def chosen(self, worker: str, t: float) -> float | None:
+        """The router chose ``worker`` for a lookup at ``t``: its own view of the fleet then. A
+        choice clearly after the worker's departure (its interval plus the band) shows this
+        router lags its source by more than the band: the band is widened to cover that lag
+        with headroom (at most `BAND_MAX_S`), and the lag seen is returned; else None. Pure:
+        the caller says when, and logs."""
+        spans = self.spans.get(worker)
+        if spans is None or t != t:
+            return None
+        departed = None
+        for joined_since, _, _, departed_at in spans:
+            if joined_since <= t:
+                departed = departed_at
+        if departed is None or departed == INF or not t > departed + self.band_s:
+            return None
+        lag = t - departed
+        widened = min(BAND_MAX_S, lag * BAND_HEADROOM)
+        if widened > self.band_s:
+            self.band_s = widened
+            self.band_widened += 1
+        return lag
 
     # --- queries ---------------------------------------------------------------------------
 

@@ -221,9 +221,13 @@ class WorkerLookup:
     __slots__ = ("doubt", "placed", "epoch", "applied_through_ts", "horizon_ts", "step_seq", "gap",
                  "clock_step_s", "hole", "hybrid", "tiered", "plain", "_view", "_run", "_t", "_margin")
 
+    # (set only when ``placed``: the block questions are asked only then, unchecked on this path)
+    _view: EpochResidency
+    _run: HistoryRun
+
     def __init__(self, doubt: History | None, view: EpochResidency | None = None, point: LookupPoint | None = None,
                  t: float = 0.0, margin: float = TAIL_MARGIN_S, epoch: int | None = None, plain: bool = False):
-        self._view, self._t, self._margin, self.plain = view, t, margin, plain
+        self._view, self._t, self._margin, self.plain = view, t, margin, plain  # type: ignore[assignment]
         self.placed = view is not None
         self.epoch = view.epoch if view is not None else epoch
         self.applied_through_ts = view.applied_through_ts if view is not None else None
@@ -231,12 +235,13 @@ class WorkerLookup:
         # offload tiers besides the GPU (`tiers` is asked only then)
         self.tiered = view is not None and (len(view.media) > 1 or GPU not in view.media)
         if point is None:
-            self.doubt, self.horizon_ts, self.step_seq, self._run = doubt, None, -1, None
+            self.doubt, self.horizon_ts, self.step_seq, self._run = doubt, None, -1, None  # type: ignore[assignment]
             self.gap: dict[str, Any] = {}
             self.clock_step_s: float | None = None
             self.hole: tuple[int | None, int | None] | None = None
         else:
-            self.doubt, self.horizon_ts, self.step_seq, self._run = point.doubt, point.horizon_ts, point.step_seq, point.run
+            self.doubt, self.horizon_ts, self.step_seq = point.doubt, point.horizon_ts, point.step_seq
+            self._run = point.run  # type: ignore[assignment]
             self.gap, self.clock_step_s, self.hole = point.gap, point.clock_step_s, point.hole
 
     # --- one block on the chosen worker ------------------------------------------------------
@@ -244,7 +249,7 @@ class WorkerLookup:
     def fate(self, key: int, group: int | None = None) -> BlockAt:
         """``key``'s fate in ``group`` (default: the primary, full-attention group) on the GPU
         at the lookup step: the chosen worker's timing rule (a removal in the step counts)."""
-        view, step = cast(EpochResidency, self._view), self.step_seq
+        view, step = self._view, self.step_seq
         primary = view.primary_group
         if group is None or group == primary:
             node = view.interval_as_of(key, GPU, step)
@@ -263,7 +268,7 @@ class WorkerLookup:
             if since is None:
                 return BlockAt(Fate.UNPLACED, history=History.GAP, copied=copied)
             return BlockAt(Fate.NEVER, copied=copied, since=since)
-        run = cast(HistoryRun, self._run)
+        run = self._run
         if node.stored_seq is None or node.stored_seq < run.start_seq:
             return BlockAt(Fate.UNPLACED, node, History.GAP)  # the store predates the run
         if node.removed_seq is not None and node.removed_seq <= step:
@@ -274,7 +279,7 @@ class WorkerLookup:
         """Where a block with no record counts as never stored from: the last clear in the
         run, the epoch's start, or (records forgotten past the aged-out horizon) the point
         through which they were forgotten; None when the run has no known-empty point."""
-        view, run = cast(EpochResidency, self._view), cast(HistoryRun, self._run)
+        view, run = self._view, self._run
         clear = view.last_clear_between(run.start_seq, self.step_seq + 1)
         if clear is not None:
             start = (WindowStart.CLEAR, clear[1])
@@ -289,7 +294,7 @@ class WorkerLookup:
 
     def tiers(self, key: int) -> tuple[tuple[TierHolding, ...], tuple[History, ...]]:
         """The chosen worker's offload tiers that held ``key`` at t, and why others may have."""
-        view = cast(EpochResidency, self._view)
+        view = self._view
         held_on: list[TierHolding] = []
         unresolved: list[History] = []
         for medium in view.media:
@@ -305,17 +310,17 @@ class WorkerLookup:
         """Had a copy of ``chain[k]`` stored in the lookup's step been there before the lookup
         (with what the step stored up to it, in every group), whether the engine's hit rule
         would have given more than ``k`` blocks (`EpochResidency.engine_would_hit`)."""
-        view, step = cast(EpochResidency, self._view), self.step_seq
+        view, step = self._view, self.step_seq
         also = view.stored_in_step_through(step, chain[k]) if view.hybrid and k < len(chain) else None
         return view.engine_would_hit(chain, k + 1, limit, block_size, step, assume_held=k, also_held=also)
 
     @property
     def primary_group(self) -> int:
-        return cast(EpochResidency, self._view).primary_group
+        return self._view.primary_group
 
     def groups(self) -> GroupsAt:
         """The lifetime's KV-cache groups (`GroupsAt`)."""
-        view = cast(EpochResidency, self._view)
+        view = self._view
         primary = view.primary_group
         others = sorted({tier.group for tier in view.tiers if tier.medium == GPU and tier.group != primary})
         return GroupsAt(view.groups.get(primary), [(idx, view.groups.get(idx)) for idx in others],

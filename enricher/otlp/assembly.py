@@ -374,6 +374,7 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         transfers=transfers,
         instance_hint=m.get("instance"),
         route_policy=m.get("route_policy"),
+        route_candidates=_candidates(m.get("route_candidates")),
         kv_cache_report_mode=m.get("kv_cache_report_mode"),
         skip_reading_prefix_cache=m.get("skip_reading_prefix_cache"),
         earlier_lookups=_earlier_lookups(m.get("earlier_lookup_times_unix_nano"),
@@ -384,6 +385,12 @@ def to_request_facts(assembly: Assembly, *, hasher: BlockHasher | None, default_
         finish_time=m.get("finish_time"),
         output_tokens=m.get("output_tokens"),
     )
+
+
+def _candidates(names: Sequence[str] | None) -> tuple[str, ...] | None:
+    """The router's candidate set, sorted and without repeats (None: not sent). An empty list
+    is a set too: the router had no one else to choose."""
+    return None if names is None else tuple(sorted(set(names)))
 
 
 def _earlier_lookups(times: Sequence[int] | None, cached: Sequence[int] | None,

@@ -42,6 +42,7 @@ class SpanFacts(msgspec.Struct, kw_only=True):
     worker: str | None = None
     dp_rank: int | None = None
     route_policy: str | None = None
+    route_candidates: list[str] | None = None
     predicted_cached_tokens: int | None = None
     instance: str | None = None
     block_hashes: Sequence[int] | None = None  # a list, or from the wire scanner an array('Q')
@@ -167,7 +168,8 @@ def _transfer_result(value: Any) -> TransferResult | None:
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "request_id": _str, "prompt_tokens": _int, "cached_tokens": _int, "block_size": _int,
-    "worker": _str, "dp_rank": _int, "route_policy": _str, "predicted_cached_tokens": _int,
+    "worker": _str, "dp_rank": _int, "route_policy": _str, "route_candidates": _str_list,
+    "predicted_cached_tokens": _int,
     "instance": _str, "block_hashes": _hash_list, "token_ids": _int_list, "extra_keys": _str,
     "extra_key_kinds": _str_list, "lookup_time_unix_nano": _int, "time_in_queue_s": _float,
     "time_to_first_token_s": _float, "prefill_time_s": _float,

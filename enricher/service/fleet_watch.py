@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 
 from kvmiss.collectors.membership import Desired, FleetMembers, MembershipSource, Refusal
+from kvmiss.enricher.core.membership import Membership
 from kvmiss.schemas.fleet import FleetChange
 
 log = logging.getLogger("kvmiss.fleet")
@@ -52,11 +53,12 @@ class FleetStats:
     """What `kvmiss_fleet_*` counts: joins and departures applied, updates refused by
     (source, reason), and the first-batch delays of joined workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, membership: Membership | None = None) -> None:
         self.joins = 0
         self.departures = 0
         self.refused: collections.Counter[tuple[str, str]] = collections.Counter()
         self.first_batch = FirstBatchDelays()
+        self.membership = membership  # the index's: its band, and how often the router widened it
 
 
 class FleetWatch:

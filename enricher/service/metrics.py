@@ -127,6 +127,16 @@ class KvmissCollector(Collector):
                                       "Seconds from a worker's join being seen to its first batch applied.")
         first.add_metric([], h.cumulative(), h.sum)
         yield from (workers, joins, departures, refused, first)
+        if stats.membership is not None:
+            band = GaugeMetricFamily(
+                "kvmiss_fleet_membership_band_seconds", "The membership uncertainty band in force: "
+                "[fleet] membership_uncertainty_s, or wider where the router chose a worker after it departed.")
+            band.add_metric([], stats.membership.band_s)
+            widened = CounterMetricFamily(
+                "kvmiss_fleet_band_widened", "Times the router chose a worker later after its departure than the "
+                "band allowed, and the band was widened to cover it (docs/FLEET.md).")
+            widened.add_metric([], stats.membership.band_widened)
+            yield from (band, widened)
         if self.dns_outcomes is not None:
             resolutions = CounterMetricFamily(
                 "kvmiss_fleet_dns_resolutions", "[fleet.dns] resolutions by outcome: addresses, empty (NXDOMAIN "

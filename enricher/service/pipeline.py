@@ -465,6 +465,14 @@ class Pipeline:
         return self._reach.reached(facts.worker, t)
 
     def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
+        index = self.attributor.index
+        if facts.worker is not None and facts.lookup_time is not None and index.membership.spans:
+            band = index.membership.band_s
+            lag = index.router_chose(facts.worker, facts.lookup_time)
+            if lag is not None:
+                log.warning("the router chose worker %r %.2f s after its departure, beyond the membership band of "
+                            "%.2f s: the band is now %.2f s ([fleet] membership_uncertainty_s should cover the "
+                            "router's lag behind the membership source)", facts.worker, lag, band, index.membership.band_s)
         verdict = self.attributor.attribute(facts)
         values = verdict_attributes(verdict, facts.lookup_time)
         if verdict.label is Label.EVICTED and self.pool_blocks:

@@ -145,7 +145,7 @@ class Service:
                                      linger_s=self.linger_s(config) if sources else 0.0)
         # Membership that changes at run time ([fleet]): sources polled on the loop, their
         # changes applied by `apply_fleet_change`.
-        self.fleet_stats = FleetStats()
+        self.fleet_stats = FleetStats(self.index.membership)
         self.fleet_watch = FleetWatch(sources, FleetMembers(config.workers),
                                       self.apply_fleet_change, interval_s=config.fleet.poll_interval_s,
                                       clock=clock, stats=self.fleet_stats,

@@ -292,7 +292,7 @@ def test_serve_in_the_image_enriches_real_otlp_into_a_sink_outside_it(container,
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.05)
         # The [fleet] file's workers joined at start-up: lookups within membership_uncertainty_s
-        # (2 s) of a join are unsettled, and an unsettled worker cannot prove routing_miss.
+        # (the image config's) of a join are unsettled, and an unsettled worker cannot prove routing_miss.
         time.sleep(2.5)
         t0 = time.time()
         pubs["w0"].publish(batch(t0, stored=[([P, H], None)]))

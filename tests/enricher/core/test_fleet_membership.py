@@ -423,3 +423,68 @@ def test_a_departure_observed_before_the_join_it_follows_ends_at_the_join():
     m.depart("A", 19.0)
     assert m.spans["A"][-1] == [20.0, 20.0, 20.0, 20.0] and m.departed_until("A") == 20.5
     assert m.standing("A", 20.4) is Standing.UNSETTLED and m.standing("A", 20.6) is Standing.DEPARTED
+
+
+class TestTheRoutersOwnChoices:
+    """A router seen choosing a worker after it departed shows its lag behind the source: the
+    band widens to cover it, so the lookups near the next change are judged with care."""
+
+    def test_a_choice_within_the_band_changes_nothing(self):
+        m = Membership(band_s=0.5)
+        m.join(spec("A"), at=10.0)
+        m.depart("A", at=20.0)
+        assert m.chosen("A", 20.4) is None and m.band_s == 0.5 and m.band_widened == 0
+
+    def test_a_choice_past_the_band_widens_it_with_headroom(self):
+        m = Membership(band_s=0.5)
+        m.join(spec("A"), at=10.0)
+        m.depart("A", at=20.0)
+        assert m.standing("A", 21.0) is Standing.DEPARTED
+        assert m.chosen("A", 21.0) == pytest.approx(1.0)
+        assert m.band_s == pytest.approx(1.5) and m.band_widened == 1
+        assert m.standing("A", 21.0) is Standing.UNSETTLED  # now inside the widened band
+        assert m.chosen("A", 21.2) is None and m.band_widened == 1  # covered already
+
+    def test_a_choice_while_a_member_or_after_a_rejoin_is_no_lag(self):
+        m = Membership(band_s=0.5)
+        m.join(spec("A"), at=10.0)
+        assert m.chosen("A", 15.0) is None
+        m.depart("A", at=20.0)
+        m.join(spec("A"), at=30.0)
+        assert m.chosen("A", 31.0) is None and m.band_s == 0.5
+
+    def test_the_band_never_grows_past_its_cap(self):
+        from kvmiss.enricher.core.membership import BAND_MAX_S
+        m = Membership(band_s=0.5)
+        m.join(spec("A"), at=10.0)
+        m.depart("A", at=20.0)
+        m.chosen("A", 20.0 + 10 * BAND_MAX_S)
+        assert m.band_s == BAND_MAX_S
+
+
+class TestTheRoutersCandidateSet:
+    """A span naming the router's candidates (``kvmiss.route.candidates``) settles the fleet at
+    its lookup: a departure's band no longer matters, and only the candidates count."""
+
+    def departed_in_band(self):
+        index, a, b = a_evicts_b_holds()
+        depart(index, "B", at=b.ts(30))  # B leaves holding H; a lookup just after is in the band
+        return index, a.ts(31)
+
+    def test_without_candidates_the_band_leaves_a_holder_unsettled(self):
+        index, t = self.departed_in_band()
+        verdict = judge(index, request("A", t))
+        assert verdict.label is Label.UNKNOWN_HISTORY and "not settled" in verdict.reason
+
+    def test_a_holder_the_router_no_longer_listed_is_no_candidate(self):
+        index, t = self.departed_in_band()
+        assert judge(index, request("A", t, route_candidates=("A",))).label is Label.EVICTED
+
+    def test_a_holder_the_router_still_listed_is_a_routing_miss(self):
+        index, t = self.departed_in_band()
+        assert judge(index, request("A", t, route_candidates=("A", "B"))).label is Label.ROUTING_MISS
+
+    def test_a_candidate_kvmiss_does_not_follow_may_have_held_it(self):
+        index, t = self.departed_in_band()
+        verdict = judge(index, request("A", t, route_candidates=("A", "Z")))
+        assert verdict.label is Label.UNKNOWN_HISTORY and verdict.history is History.UNTRACKED

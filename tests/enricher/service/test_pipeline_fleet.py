@@ -125,7 +125,7 @@ def b_holds_h_and_departs_unseen(watched: bool):
     """A and B followed through 1030; B stored H at 1005. The router stops choosing B at 1020
     (its departure is written then); a request on A looks up H at 1020.5. ``watched``: the
     fleet's sources are polled (known through 1020.2 so far), else nothing says how far."""
-    index = ResidencyIndex(["A", "B"], dynamic_membership=True)
+    index = ResidencyIndex(["A", "B"], dynamic_membership=True, membership_uncertainty_s=2.0)
     if watched:
         index.membership.watched()
         index.membership.seen_through(1020.2)  # the sources were last asked before the departure
@@ -166,3 +166,50 @@ def test_a_request_whose_wait_runs_out_before_the_sources_answer_is_not_judged_o
     assert pipe.poll() == 1
     out = attrs(sink.spans()[0])
     assert out["kvmiss.label"] == "unknown_history" and "not settled" in out["kvmiss.reason"], out
+
+
+def test_a_router_seen_choosing_a_departed_worker_widens_the_band_and_says_so(caplog):
+    """B departs at 1020 (band 0.5 s); a span that chose B for a lookup at 1023 shows the router
+    lagging 3 s behind the source: the band becomes 4.5 s, once, with a WARNING, and a miss on A
+    near the departure where B held the block is then unsettled, not judged without B."""
+    index = ResidencyIndex(["A", "B"], dynamic_membership=True, membership_uncertainty_s=0.5)
+    for feed, events in ((WorkerFeed("A", ts0=1000.0), {}), (WorkerFeed("B", ts0=1000.0), {5: [stored(H)]})):
+        for batch in feed.batches(range(0, 31), events):
+            index.apply(batch)
+    index.apply_fleet_change(FleetChange(at=1020.0, source="file", departed=("B",)))
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, judge_on_arrival=True, history_wait_s=5.0)
+    with caplog.at_level("WARNING", logger="kvmiss.pipeline"):
+        asyncio.run(pipe.consume(export_request(miss("B", "late-choice", t=1023.0))))
+        pipe.poll()
+    assert index.membership.band_s == 4.5 and index.membership.band_widened == 1
+    assert [r.getMessage() for r in caplog.records if "after its departure" in r.getMessage()] == [
+        "the router chose worker 'B' 3.00 s after its departure, beyond the membership band of 0.50 s: the band is "
+        "now 4.50 s ([fleet] membership_uncertainty_s should cover the router's lag behind the membership source)"]
+    asyncio.run(pipe.consume(export_request(miss("A", "near", t=1021.0, block=H - 2**64))))
+    pipe.poll()
+    near = next(attrs(s) for s in sink.spans() if attrs(s)["gen_ai.request.id"] == "near")
+    assert near["kvmiss.label"] == "unknown_history" and "not settled" in near["kvmiss.reason"], near
+
+
+def test_a_router_span_naming_its_candidates_is_judged_on_them():
+    """The same departure with the default band: a miss on A 0.2 s after it, where B held the
+    block, is unsettled; the same miss from a router that says it chose among A alone is
+    judged on A's own history, and one that still listed B is a routing miss."""
+    index = ResidencyIndex(["A", "B"], dynamic_membership=True)
+    for feed, events in ((WorkerFeed("A", ts0=1000.0), {}), (WorkerFeed("B", ts0=1000.0), {5: [stored(H)]})):
+        for batch in feed.batches(range(0, 31), events):
+            index.apply(batch)
+    index.apply_fleet_change(FleetChange(at=1020.0, source="file", departed=("B",)))
+    pipe, sink = make(index, Clock(0.0), judge_on_arrival=True, history_wait_s=5.0)
+    for rid, candidates in (("plain", None), ("only-a", ["A"]), ("a-and-b", ["B", "A"])):
+        request = export_request(miss("A", rid, t=1020.2, block=H - 2**64))
+        if candidates is not None:  # a string array (the helper writes int arrays)
+            kv = request.resource_spans[0].scope_spans[0].spans[0].attributes.add()
+            kv.key = "kvmiss.route.candidates"
+            for worker in candidates:
+                kv.value.array_value.values.add().string_value = worker
+        asyncio.run(pipe.consume(request))
+    pipe.poll()
+    labels = {attrs(s)["gen_ai.request.id"]: attrs(s)["kvmiss.label"] for s in sink.spans()}
+    assert labels == {"plain": "unknown_history", "only-a": "no_match", "a-and-b": "routing_miss"}
