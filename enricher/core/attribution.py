@@ -28,7 +28,7 @@ from kvmiss.schemas.attribution import (
     Verdict,
 )
 from kvmiss.schemas.fleet import StreamReach
-from kvmiss.schemas.labels import SETTLED_AT_ANY_TIME
+from kvmiss.schemas.labels import SETTLED_AT_ANY_TIME, UNKNOWN_LABELS
 
 # Engine steps (of all workers) a lookup known only within a window may fall in, beyond which
 # the verdict is not settled step by step (each one is another evidence gather): unknown.
@@ -68,7 +68,13 @@ class Attributor:
         return fleet
 
     def attribute(self, facts: RequestFacts) -> Verdict:
+        """The request's re-announcements noted (`note_re_announcements`), then its verdict."""
         self.note_re_announcements(facts)
+        return self.judge(facts)
+
+    def judge(self, facts: RequestFacts) -> Verdict:
+        """The verdict alone, for a request whose re-announcements were noted already: a caller
+        that notes a round of requests first, then judges them, or judges one again."""
         verdict = self._attribute_at(facts)
         t, latest = facts.lookup_time, facts.lookup_time_latest
         if (latest is None or t is None or latest <= t or verdict.label in SETTLED_AT_ANY_TIME
@@ -162,6 +168,16 @@ class Attributor:
             self.index.confirm_re_announcement(worker, t, list(chain[:first_miss_index(facts.cached_tokens, b)]),
                                                facts.lookup_time_latest)
 
+    def confirmation_may_settle(self, verdict: Verdict) -> bool:
+        """Whether a request not yet noted may still settle ``verdict``: it is unknown while a
+        store with no parent is not yet told apart on a tracked worker. Such a store (or its
+        second copy in a lookup's own step) is often another request's re-announcement, whose
+        spans may come after this request's: once noted, the same evidence may prove a label."""
+        if verdict.label not in UNKNOWN_LABELS:
+            return False
+        index = self.index
+        return any(view.unproven_stores for worker in index.workers() for view in index.views(worker))
+
     def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:
         """Which sibling under the request's parent block it left, and how (None when the
         index keeps no siblings or the miss is at the chain's root)."""
@@ -175,10 +191,11 @@ class Attributor:
         assert facts.token_ids is not None  # (the caller asks only then)
         return diverge(facts.token_ids, facts.extra_keys, block, facts.block_size, siblings)
 
-    def record(self, facts: RequestFacts, *, trace_id: str | None = None) -> AttributionRecord:
+    def record(self, facts: RequestFacts, *, trace_id: str | None = None, noted: bool = False) -> AttributionRecord:
+        """``noted``: the request's re-announcements were noted already (judged only)."""
         return AttributionRecord(
             request_id=facts.request_id, trace_id=trace_id, worker=facts.worker,
             lookup_time=facts.lookup_time, prompt_tokens=facts.prompt_tokens,
-            cached_tokens=facts.cached_tokens, verdict=self.attribute(facts),
+            cached_tokens=facts.cached_tokens, verdict=self.judge(facts) if noted else self.attribute(facts),
         )
 

@@ -429,6 +429,14 @@ class KvmissCollector(Collector):
         waits.add_metric([], buckets, h.sum)
         resent = CounterMetricFamily("kvmiss_spans_resent", "Copies of an enriched span that came again (a re-send): given the request's judged verdict, not judged again.")
         resent.add_metric([], s.resent_spans)
+        held_back = CounterMetricFamily(
+            "kvmiss_verdicts_held_for_confirmation", "Unknown verdicts held (up to assemble_wait_s) because a store "
+            "with no parent they rest on may be another request's re-announcement, whose spans had not come yet.")
+        held_back.add_metric([], s.held_for_confirmation)
+        settled = CounterMetricFamily(
+            "kvmiss_verdicts_settled_by_confirmation", "Of those, the ones judged again into a label once that request "
+            "was noted (docs/HISTORY.md, \"Counts\").")
+        settled.add_metric([], s.settled_by_confirmation)
         foreign = CounterMetricFamily(
             "kvmiss_foreign_outputs_replaced", "Output-named kvmiss.* attributes spans came with, removed when kvmiss wrote "
             "its verdict: another enricher or a client writes into kvmiss's namespace, or enriched spans loop back.")
@@ -458,7 +466,7 @@ class KvmissCollector(Collector):
         for (worker, scale), n in sorted(s.whatif_kept_tokens.items()):
             kept.add_metric([worker, scale], n)
         yield from (received, exported, refused, lost, replayed, refused_full, size, bound, unenriched, bad, waits, resent, foreign, unsubscribed,
-                    held, early, evicted, kept)
+                    held, early, evicted, kept, held_back, settled)
         yield from self._connections(intake)
 
     def _connections(self, intake: Mapping[str, int]) -> Iterator[Metric]:

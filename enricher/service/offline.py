@@ -35,6 +35,11 @@ from kvmiss.schemas.labels import LABELS, MISS_LABELS, UNKNOWN_LABELS
 
 _request_decoder = msgspec.json.Decoder(RequestFacts)
 
+# Requests whose re-announcements are noted before the one judged (`attribute_requests`):
+# records come in about the order requests finished, and the one that confirms a store
+# finished within seconds of the request whose verdict rests on it.
+NOTE_AHEAD = 4096
+
 
 def workers_in_recording(path: str) -> list[WorkerSpec]:
     """Worker specs inferred from a recording: every worker seen; replay where replies or
@@ -120,17 +125,30 @@ class Summary:
 def attribute_requests(index: ResidencyIndex, requests: Iterable[RequestFacts | BadRequestLine],
                        out: IO[bytes], *, digest_key: DigestKey | None = None,
                        errors: IO[str] | None = None, aged_out_as_recent_match: bool = False) -> Summary:
+    """Judge each request in turn. Each one's re-announcements are noted `NOTE_AHEAD` requests
+    before it is judged, as the live pipeline notes a round's before judging it and holds an
+    unknown for a later one: a verdict may rest on a store a later record's request confirms."""
     attributor = Attributor(index, digest_key, aged_out_as_recent_match=aged_out_as_recent_match)
     encoder = msgspec.json.Encoder()
     summary = Summary()
+    ahead: collections.deque[RequestFacts] = collections.deque()
+
+    def judge(facts: RequestFacts) -> None:
+        record = attributor.record(facts, noted=True)
+        summary.add(record)
+        out.write(encoder.encode(record) + b"\n")
+
     for item in requests:
         if isinstance(item, BadRequestLine):
             if errors is not None:
                 print(f"kvmiss attribute: request line {item.line}: {item.error}", file=errors)
             continue
-        record = attributor.record(item)
-        summary.add(record)
-        out.write(encoder.encode(record) + b"\n")
+        attributor.note_re_announcements(item)
+        ahead.append(item)
+        if len(ahead) > NOTE_AHEAD:
+            judge(ahead.popleft())
+    while ahead:
+        judge(ahead.popleft())
     return summary
 
 

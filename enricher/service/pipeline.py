@@ -69,6 +69,7 @@ from kvmiss.enricher.otlp.spans import (
 )
 from kvmiss.schemas import span_attributes as names
 from kvmiss.schemas.attribution import Label, RequestFacts, Verdict
+from kvmiss.schemas.labels import UNKNOWN_LABELS
 
 log = logging.getLogger("kvmiss.pipeline")
 
@@ -137,6 +138,10 @@ class PipelineStats:
         self.spans_refused = 0  # answered RETRYABLE (the sender keeps them)
         self.journal = None  # the service's SpanJournal, when it has one (read by the metrics)
         self.resent_spans = 0  # copies of an enriched span that came again: the same verdict written
+        # Unknown verdicts held for a request that may confirm a store they rest on, and of
+        # those, the ones judged again into a label.
+        self.held_for_confirmation = 0
+        self.settled_by_confirmation = 0
         # Output-named attributes a span came with, replaced by kvmiss's verdict: a sign that two
         # enrichers, or a client, write into kvmiss's namespace (or that enriched spans loop back).
         self.foreign_outputs = 0
@@ -196,6 +201,13 @@ class Pipeline:
         self._traces: dict[bytes, dict[str | None, Assembly]] = {}
         self._open: collections.deque[Assembly] = collections.deque()  # in arrival order
         self._ready: list[tuple[Assembly, RequestFacts, float]] = []  # waiting for history
+        # Requests to judge now, with how long they waited: a round's re-announcements are all
+        # noted before any of its requests is judged (`_judge_due`).
+        self._due: list[tuple[Assembly, RequestFacts, float]] = []
+        # Unknown verdicts a request not yet noted may settle (`Attributor.confirmation_may_settle`):
+        # (assembly, facts, held since, waited for history, index generation when last judged),
+        # judged again when the index moves, settled as they are after assemble_wait_s.
+        self._held: list[tuple[Assembly, RequestFacts, float, float, int]] = []
         self._reach: HistoryReach | None = None  # per poll: see `_history_reached`
         # So that a span arriving after its request was judged is not judged again: kept
         # while a partner may still come (the other side's spans up to assemble_wait_s late).
@@ -308,6 +320,7 @@ class Pipeline:
             for assembly in list(self._traces.get(trace_id, {}).values()):
                 if not assembly.done:
                     self._assess(assembly, now, final=False)
+        self._judge_due(now, final=False)
 
     def _take(self, span: Any, found: tuple[SpanFacts | None, dict[str, Any] | None, Marks | None],
               batch: PendingBatch, instance: str | None, now: float, trace_id: bytes,
@@ -358,11 +371,11 @@ class Pipeline:
         waiting = []
         for assembly, facts, since in self._ready:
             if final or self._history_reached(facts) or now - since >= self.history_wait_s:
-                self._judge(assembly, facts, waited=now - since)
-                judged += 1
+                self._due.append((assembly, facts, now - since))
             else:
                 waiting.append((assembly, facts, since))
         self._ready = waiting
+        judged += self._judge_due(now, final)
         self._judged.expire(now)
         if self.unsubscribed:
             tracked = self.attributor.index.tracked
@@ -430,8 +443,9 @@ class Pipeline:
                 self._ready.append((assembly, facts, now))
                 assembly.done = assembly.awaiting_history = True  # no longer open for other requests
                 return 0
-        self._judge(assembly, facts, waited=0.0)
-        return 1
+        self._due.append((assembly, facts, 0.0))  # judged by the caller, with the round's others
+        assembly.done = assembly.awaiting_history = True
+        return 0
 
     def _note_unsubscribed(self, worker: str, now: float) -> None:
         """A span named a worker this replica does not subscribe to: from now on it is an
@@ -464,7 +478,54 @@ class Pipeline:
             self._reach = HistoryReach(self.attributor.index, now=self.clock(), wait_s=self.history_wait_s)
         return self._reach.reached(facts.worker, t)
 
-    def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float) -> None:
+    def _judge_due(self, now: float, final: bool) -> int:
+        """Judge the round's due requests; returns how many verdicts were settled. Every one's
+        re-announcements are noted first: a verdict may rest on a store with no parent that
+        another request of the round re-announced (concurrent requests' spans come together).
+        An unknown verdict such a request may still settle is held: judged again when the
+        index moves (a later request confirmed a store), settled as it is after
+        assemble_wait_s (that request's spans come within it, or never)."""
+        due, self._due = self._due, []
+        attributor = self.attributor
+        for _, facts, _ in due:
+            attributor.note_re_announcements(facts)
+        settled = 0
+        for assembly, facts, waited in due:
+            verdict = attributor.judge(facts)
+            if not final and attributor.confirmation_may_settle(verdict):
+                self._held.append((assembly, facts, now, waited, attributor.index.generation))
+                self.stats.held_for_confirmation += 1
+            else:
+                self._judge(assembly, facts, waited=waited, verdict=verdict)
+                settled += 1
+        if self._held:
+            settled += self._judge_held(now, final)
+        return settled
+
+    def _judge_held(self, now: float, final: bool) -> int:
+        """The held verdicts (`_judge_due`) judged again where the index moved; returns how
+        many were settled."""
+        generation = self.attributor.index.generation
+        still: list[tuple[Assembly, RequestFacts, float, float, int]] = []
+        settled = 0
+        for assembly, facts, since, waited, seen in self._held:
+            expired = final or now - since >= self.assemble_wait_s
+            if seen == generation and not expired:
+                still.append((assembly, facts, since, waited, seen))
+                continue
+            verdict = self.attributor.judge(facts) if seen != generation else None
+            if verdict is not None and not expired and self.attributor.confirmation_may_settle(verdict):
+                still.append((assembly, facts, since, waited, generation))
+                continue
+            if verdict is not None and verdict.label not in UNKNOWN_LABELS:
+                self.stats.settled_by_confirmation += 1
+            self._judge(assembly, facts, waited=waited, verdict=verdict)
+            settled += 1
+        self._held = still
+        return settled
+
+    def _judge(self, assembly: Assembly, facts: RequestFacts, *, waited: float,
+               verdict: Verdict | None = None) -> None:
         index = self.attributor.index
         if facts.worker is not None and facts.lookup_time is not None and index.membership.spans:
             band = index.membership.band_s
@@ -473,7 +534,8 @@ class Pipeline:
                 log.warning("the router chose worker %r %.2f s after its departure, beyond the membership band of "
                             "%.2f s: the band is now %.2f s ([fleet] membership_uncertainty_s should cover the "
                             "router's lag behind the membership source)", facts.worker, lag, band, index.membership.band_s)
-        verdict = self.attributor.attribute(facts)
+        if verdict is None:  # (its re-announcements were noted: `_judge_due`)
+            verdict = self.attributor.judge(facts)
         values = verdict_attributes(verdict, facts.lookup_time)
         if verdict.label is Label.EVICTED and self.pool_blocks:
             self._estimate(facts, verdict, values)

@@ -698,3 +698,65 @@ def test_the_verdict_is_the_same_with_and_without_finish_time_and_output_tokens(
     assert [v for _, v in with_facts] == [v for _, v in without]
     assert _verdict_outputs(with_sink) == _verdict_outputs(without_sink)
     assert with_facts[0][1].label.value == ("hit" if cached == 32 else "evicted")
+
+
+def re_announced_then_removed():
+    """H-1, H stored at 3 (counted), stored again with no parent at 6 (a full-report request's
+    re-announcement, or a second copy), H removed at 15."""
+    index, a = ResidencyIndex(), WorkerFeed("A", ts0=1000.0)
+    for b in a.batches(range(0, 30), {3: [stored(H - 1, H)], 6: [stored(H - 1, H)], 15: [removed(H)]}):
+        index.apply(b)
+    return index, a
+
+
+def miss_span(a: WorkerFeed) -> dict:
+    """A request that hit H-1 and missed H at step 20."""
+    return {"name": "router", "trace_id": b"m" * 16, "gen_ai.request.id": "m", "gen_ai.usage.input_tokens": 40,
+            "gen_ai.usage.cache_read.input_tokens": 16, "kvmiss.route.worker": "A",
+            "kvmiss.block_hashes": [H - 1 - 2**64, H - 2**64, 9], "kvmiss.lookup_time_unix_nano": int((a.ts(20) - 0.5) * 1e9)}
+
+
+def reporter_span(a: WorkerFeed) -> dict:
+    """The request whose re-announcement the store at 6 was: it hit H-1, H in that step."""
+    return {"name": "router", "trace_id": b"r" * 16, "gen_ai.request.id": "r", "gen_ai.usage.input_tokens": 33,
+            "gen_ai.usage.cache_read.input_tokens": 32, "kvmiss.route.worker": "A",
+            "kvmiss.block_hashes": [H - 1 - 2**64, H - 2**64, 0xDEAD], "kvmiss.kv_cache_report_mode": "full",
+            "kvmiss.lookup_time_unix_nano": int((a.ts(6) - 0.5) * 1e9)}
+
+
+def test_a_verdict_resting_on_a_store_a_later_request_confirms_waits_for_it():
+    """Concurrent requests' spans come in any order: the miss is judged first, while the store
+    at 6 may still be a second copy (unknown). It is held, not exported, and settled as
+    `evicted` once the request that re-announced it is noted, seconds later."""
+    index, a = re_announced_then_removed()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, assemble_wait_s=10.0, judge_on_arrival=True)
+    asyncio.run(pipe.consume(export_request(miss_span(a))))
+    assert sink.requests == [] and pipe.stats.held_for_confirmation == 1
+    clock.t = 4.0
+    asyncio.run(pipe.consume(export_request(reporter_span(a))))
+    pipe.poll()
+    labels = {attrs(s)["gen_ai.request.id"]: attrs(s)["kvmiss.label"] for s in sink.spans()}
+    assert labels == {"m": "evicted", "r": "hit"} and pipe.stats.settled_by_confirmation == 1
+
+
+def test_requests_of_one_round_are_noted_before_any_is_judged():
+    index, a = re_announced_then_removed()
+    pipe, sink = make(index, Clock(0.0), assemble_wait_s=10.0)
+    asyncio.run(pipe.consume(export_request(miss_span(a), reporter_span(a))))
+    assert pipe.poll() == 2
+    assert {attrs(s)["gen_ai.request.id"]: attrs(s)["kvmiss.label"] for s in sink.spans()} == {"m": "evicted", "r": "hit"}
+    assert pipe.stats.held_for_confirmation == 0
+
+
+def test_a_held_verdict_whose_confirmation_never_comes_leaves_unknown_after_the_wait():
+    index, a = re_announced_then_removed()
+    clock = Clock(0.0)
+    pipe, sink = make(index, clock, assemble_wait_s=10.0, judge_on_arrival=True)
+    asyncio.run(pipe.consume(export_request(miss_span(a))))
+    clock.t = 9.0
+    assert pipe.poll() == 0 and sink.requests == []
+    clock.t = 10.0
+    assert pipe.poll() == 1
+    out = attrs(sink.spans()[0])
+    assert out["kvmiss.label"] == "unknown_history" and "re-announce" in out["kvmiss.reason"]
