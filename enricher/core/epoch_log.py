@@ -61,6 +61,34 @@ class EpochLog:
     tail: tuple[int, float] | None
     horizon_ts: float | None
 
+    def _init_log(self) -> None:
+        """The log's state, empty (called by `EpochResidency.__init__`)."""
+        self.log_seq = array("q")
+        self.log_ts = array("d")
+        # GPU (group 0) hashes removed through each logged batch, cumulative: the evictions
+        # between two batches, for what-if sizing (enricher/estimates/whatif.py).
+        self.log_removed = array("Q")
+        self._removed_in_python = 0  # the part of it applied by `_apply_event`
+        self.log_base = 0  # entries dropped from the front of the log by retention
+        self.runs = []
+        self.clears = []
+        self.last_seq = None  # the last applied batch (kept when the log is pruned)
+        self.last_ts = None
+        # Engine times at which a lookup cannot be placed among this lifetime's batches: the
+        # engine clock went back (a wall-clock step), so the same readings occur before and
+        # after the step. (low, high): the first batch stamped after the step, and the latest
+        # stamp before it. From the step on, batches are logged at ``high`` until the clock
+        # passes it again, so the log stays in order and a bisect in it stays valid; evidence
+        # widens each window by the tail margin (a lookup precedes its batch by at most that)
+        # and answers unknown inside it (`clock_step_at`). Dropped by `ResidencyIndex.prune`
+        # once a window ends before the retention horizon less the margin.
+        self.clock_steps = []
+        # Seqs of batches with refused events (`MAX_TIERS`), the first after each clear: a
+        # lookup in or after one, with no clear since, is quarantined (`quarantined_at`).
+        self.refusals = []
+        self._engine_ts: float | None = None  # the last batch's own stamp
+        self.tail = None  # (seq, kvmiss time) of the latest confirmation
+
     def lookup_point(self, t: float, margin: float) -> LookupPoint:
         """The lookup at ``t`` placed among this lifetime's steps: the one question evidence
         asks the log before it asks about blocks."""

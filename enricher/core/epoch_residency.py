@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -53,15 +52,7 @@ class EpochResidency(EpochLog, UncountedStores):
         self.epoch = epoch
         self.instance = instance
         self.epoch_certain = True
-        self.log_seq = array("q")
-        self.log_ts = array("d")
-        # GPU (group 0) hashes removed through each logged batch, cumulative: the evictions
-        # between two batches, for what-if sizing (enricher/estimates/whatif.py).
-        self.log_removed = array("Q")
-        self._removed_in_python = 0  # the part of it applied by `_apply_event`
-        self.log_base = 0  # entries dropped from the front of the log by retention
-        self.runs: list[HistoryRun] = []
-        self.clears: list[tuple[int, float]] = []
+        self._init_log()
         # Residency records (enricher/core/residency_table.py), one table per `Placement` (medium,
         # KV-cache group): the same hash in two groups is two different blocks. ``media``
         # holds the primary group's tables per medium -- the full-attention group once the
@@ -73,29 +64,10 @@ class EpochResidency(EpochLog, UncountedStores):
         self.groups: dict[int, KVCacheGroup] = {}
         self.primary_group = 0
         self.hybrid = False  # see `_judge_hybrid`
-        # Stores not counted as copies (ATTRIBUTION.md rule 7): a BlockStored with no parent
-        # whose last block was already resident is vLLM's `kv_cache_report_mode: "full"`
-        # re-announcement of a reused chain -- or a recomputed duplicate, which looks the
-        # same. Placement -> hash -> the seqs of such stores, one entry each, ascending. Counts stay
-        # a lower bound (a resident claim stands); an absence claim after one is not proven --
-        # until the request it re-announced for confirms it (`confirm_re_announcement`).
-        # Pruned with the log.
-        self.unproven: dict[Placement, dict[int, list[int]]] = {}
-        # The same stores as events: seq -> [(tier, hashes)], for `confirm_re_announcement`.
-        self.unproven_stores: dict[int, list[tuple[Placement, tuple[int, ...]]]] = {}
-        # The engine time of the first prune that dropped such marks (None: none yet): from
-        # then on a block may be held by a store the view no longer remembers (`_tail_readable`).
-        self.unproven_pruned_ts: float | None = None
-        # A window group's parentless stores of the batch being applied, by index: whether
-        # each may have been a re-announcement (`_may_re_announce`).
-        self._window_checks: dict[int, bool] = {}
-        self._window_checks_seq: int | None = None
         # Per-worker event facts for the metrics (the index's `anomalies`, shared by its views).
         self.counts: collections.Counter[Any] = counts if counts is not None else collections.Counter()
-        # False: the deployment promises no request re-announces ([history] kv_cache_report_mode
-        # = "incremental"), so a store with no parent re-storing a resident chain is a copy.
-        self.re_announcements = re_announcements
         self._tables: dict[tuple[str | None, int | None], tuple[bool, BlockTable]] = {}
+        self._init_uncounted(re_announcements)
         self.pruned = AgedOutFilter(aged_out_horizon_s)
         self.horizon_ts: float | None = None  # records before this engine time may be gone
         self.first_ts: float | None = None
@@ -105,37 +77,6 @@ class EpochResidency(EpochLog, UncountedStores):
         # epoch start or a clear), None while it is not: lets the fleet view rule a worker
         # out in O(1) when it has no record of a block.
         self.known_empty_since: float | None = None
-        # Blocks stored twice in one engine step (GPU): a request that skips the prefix
-        # cache (prompt logprobs) can store a block *before* another request's lookup in the
-        # same step, so for those the "stores in the lookup step come after it" rule fails.
-        # Rare; pruned with the log.
-        self.same_step_copies: dict[object, int] = {}
-        # The same, where the second store was one not counted (`_unproven_store`): a
-        # re-announcement by a request that hit the block -- stored earlier in the step, which
-        # proves nothing against the rule -- or a duplicate. Gone when its request confirms it.
-        self.same_step_unproven: dict[object, int] = {}
-        # The events of those batches on a hybrid (seq -> events, in the engine's order), pruned
-        # with them and bounded: what was stored in the step before a copy tells whether the
-        # engine would have hit the block had that copy preceded the lookup
-        # (`stored_in_step_through`).
-        self.copy_steps: dict[int, Sequence[Any]] = {}
-        self._same_step_in_python = 0  # same-step copies recorded by `_apply_event`
-        self.last_seq: int | None = None  # the last applied batch (kept when the log is pruned)
-        self.last_ts: float | None = None
-        # Engine times at which a lookup cannot be placed among this lifetime's batches: the
-        # engine clock went back (a wall-clock step), so the same readings occur before and
-        # after the step. (low, high): the first batch stamped after the step, and the latest
-        # stamp before it. From the step on, batches are logged at ``high`` until the clock
-        # passes it again, so the log stays in order and a bisect in it stays valid; evidence
-        # widens each window by the tail margin (a lookup precedes its batch by at most that)
-        # and answers unknown inside it (`clock_step_at`). Dropped by `ResidencyIndex.prune`
-        # once a window ends before the retention horizon less the margin.
-        self.clock_steps: list[tuple[float, float]] = []
-        # Seqs of batches with refused events (`MAX_TIERS`), the first after each clear: a
-        # lookup in or after one, with no clear since, is quarantined (`quarantined_at`).
-        self.refusals: list[int] = []
-        self._engine_ts: float | None = None  # the last batch's own stamp
-        self.tail: tuple[int, float] | None = None  # (seq, kvmiss time) of the latest confirmation
         self._applier = None if Applier is None else Applier(
             self._tables, self.same_step_copies, BlockStored, BlockRemoved,
             None if self.siblings is None else self.siblings.note)

@@ -48,6 +48,44 @@ class UncountedStores:
     _same_step_in_python: int
     _applier: Any  # the compiled `Applier`, or None
 
+    def _init_uncounted(self, re_announcements: bool) -> None:
+        """The bookkeeping's state, empty (called by `EpochResidency.__init__`)."""
+        # Stores not counted as copies (ATTRIBUTION.md rule 7): a BlockStored with no parent
+        # whose last block was already resident is vLLM's `kv_cache_report_mode: "full"`
+        # re-announcement of a reused chain -- or a recomputed duplicate, which looks the
+        # same. Placement -> hash -> the seqs of such stores, one entry each, ascending. Counts stay
+        # a lower bound (a resident claim stands); an absence claim after one is not proven --
+        # until the request it re-announced for confirms it (`confirm_re_announcement`).
+        # Pruned with the log.
+        self.unproven = {}
+        # The same stores as events: seq -> [(tier, hashes)], for `confirm_re_announcement`.
+        self.unproven_stores = {}
+        # The engine time of the first prune that dropped such marks (None: none yet): from
+        # then on a block may be held by a store the view no longer remembers (`_tail_readable`).
+        self.unproven_pruned_ts = None
+        # A window group's parentless stores of the batch being applied, by index: whether
+        # each may have been a re-announcement (`_may_re_announce`).
+        self._window_checks = {}
+        self._window_checks_seq = None
+        # False: the deployment promises no request re-announces ([history] kv_cache_report_mode
+        # = "incremental"), so a store with no parent re-storing a resident chain is a copy.
+        self.re_announcements = re_announcements
+        # Blocks stored twice in one engine step (GPU): a request that skips the prefix
+        # cache (prompt logprobs) can store a block *before* another request's lookup in the
+        # same step, so for those the "stores in the lookup step come after it" rule fails.
+        # Rare; pruned with the log.
+        self.same_step_copies = {}
+        # The same, where the second store was one not counted (`_unproven_store`): a
+        # re-announcement by a request that hit the block -- stored earlier in the step, which
+        # proves nothing against the rule -- or a duplicate. Gone when its request confirms it.
+        self.same_step_unproven = {}
+        # The events of those batches on a hybrid (seq -> events, in the engine's order), pruned
+        # with them and bounded: what was stored in the step before a copy tells whether the
+        # engine would have hit the block had that copy preceded the lookup
+        # (`stored_in_step_through`).
+        self.copy_steps = {}
+        self._same_step_in_python = 0  # same-step copies recorded by `_apply_event`
+
     def _same_step_count(self) -> int:
         """Same-step copies recorded so far, by the compiled applier and by `_apply_event`."""
         applier = self._applier

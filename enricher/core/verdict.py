@@ -96,29 +96,17 @@ def attribute(
         history = evidence.history if evidence is not None else None
         return _verdict(Label.UNKNOWN_HISTORY, f"invalid request facts: {invalid}", history=history)
 
-    n, b, c = facts.prompt_tokens, facts.block_size, facts.cached_tokens
-    limit = lookup_limit_tokens(n, b)
-
-    # hit / lookup_limit: nothing reusable was missed. C > L (possible only with an engine
-    # that also serves the last token) missed nothing either, so it is a hit.
-    if c >= limit:
-        if c == limit and n >= b and n % b == 0:
-            return _verdict(
-                Label.LOOKUP_LIMIT,
-                "only the last full block was recomputed: the engine never serves the block "
-                "holding the final prompt token from cache",
-            )
-        if c > limit:
-            return _verdict(Label.HIT, "the engine reused beyond its lookup limit: nothing missed")
-        return _verdict(Label.HIT, "every reusable prompt block was served from the prefix cache")
-
-    block = first_miss_index(c, b)
+    settled = _nothing_missed(facts)
+    if settled is not None:
+        return settled
+    b = facts.block_size
+    block = first_miss_index(facts.cached_tokens, b)
     chain = facts.block_hashes
     first_miss = chain[block] if chain is not None and block < len(chain) else None
     known: dict[str, Any] = {
         "first_miss_block": block,
         "first_miss_token": block * b,
-        "missed_tokens": limit - c,
+        "missed_tokens": lookup_limit_tokens(facts.prompt_tokens, b) - facts.cached_tokens,
         "extra_key_kinds": facts.extra_key_kinds,
     }
     if first_miss is not None and digest is not None:
@@ -149,6 +137,34 @@ def attribute(
         reason = _untracked_reason(facts)
         return _verdict(Label.UNKNOWN_HISTORY, reason, history=History.UNTRACKED, **known)
 
+    for rule in _RULES_ON_EVIDENCE:  # in precedence order (ATTRIBUTION.md)
+        verdict = rule(facts, evidence, known, from_request)
+        if verdict is not None:
+            return verdict
+    return _where_h_stood(facts, evidence, known)
+
+
+def _nothing_missed(facts: RequestFacts) -> Verdict | None:
+    """hit / lookup_limit: nothing reusable was missed. C > L (possible only with an engine
+    that also serves the last token) missed nothing either, so it is a hit."""
+    n, b, c = facts.prompt_tokens, facts.block_size, facts.cached_tokens
+    limit = lookup_limit_tokens(n, b)
+    if c < limit:
+        return None
+    if c == limit and n >= b and n % b == 0:
+        return _verdict(
+            Label.LOOKUP_LIMIT,
+            "only the last full block was recomputed: the engine never serves the block "
+            "holding the final prompt token from cache",
+        )
+    if c > limit:
+        return _verdict(Label.HIT, "the engine reused beyond its lookup limit: nothing missed")
+    return _verdict(Label.HIT, "every reusable prompt block was served from the prefix cache")
+
+
+def _unplaceable(facts: RequestFacts, evidence: Evidence, known: dict[str, Any], from_request: dict[str, Any]) -> Verdict | None:
+    """Nothing about H can be placed at t: the chosen worker's clock, or a group kvmiss does
+    not model, decides first."""
     # The chosen worker's clock out of bound: t cannot be placed against any event time,
     # so no timed fact (holders, eviction age, store/removal, window) is reported either.
     if evidence.clock is not None and not evidence.clock.within_bound:
@@ -166,7 +182,13 @@ def attribute(
         return _verdict(Label.UNKNOWN_HISTORY,
                         f"the hit was limited by KV-cache groups kvmiss does not model: {evidence.unmodelled}",
                         **known)
+    return None
 
+
+def _above_chosen_history(facts: RequestFacts, evidence: Evidence, known: dict[str, Any], from_request: dict[str, Any]) -> Verdict | None:
+    """The labels that hold whatever the chosen worker's own history: its tier held H
+    (transfer_failure), a window group never kept the state (window_limit), another member held
+    H (routing_miss)."""
     # transfer_failure, from tier residency on the chosen worker.
     if evidence.tiers:
         tier = _tier_kind(evidence.tiers[0].medium)
@@ -202,7 +224,12 @@ def attribute(
             "at lookup, but the request was routed elsewhere"
         )
         return _verdict(Label.ROUTING_MISS, reason, **known)
+    return None
 
+
+def _chosen_history_doubt(facts: RequestFacts, evidence: Evidence, known: dict[str, Any], from_request: dict[str, Any]) -> Verdict | None:
+    """The chosen worker's history, or another worker that may have held H, leaves the
+    cause unknown."""
     # The chosen worker's history must support a claim before presence means anything.
     if evidence.history is History.EPOCH_UNKNOWN:
         return _verdict(
@@ -222,9 +249,11 @@ def attribute(
                         **{**known, "history": evidence.unresolved_holders[0]})
     if evidence.skewed_workers or evidence.unsettled_members or evidence.stepped_workers:
         return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence), **known)
+    return None
 
-    # resident_miss / evicted / no_match: with continuous history, where H stood on the
-    # chosen worker at the lookup time decides.
+
+def _where_h_stood(facts: RequestFacts, evidence: Evidence, known: dict[str, Any]) -> Verdict:
+    """resident_miss / evicted / no_match, or unknown when the index cannot place H."""
     if evidence.presence is Presence.RESIDENT:
         return _verdict(
             Label.RESIDENT_MISS,
@@ -247,6 +276,9 @@ def attribute(
         reason = ("the index cannot place the first missed block on the chosen worker at lookup, "
                   "although its history is continuous")
     return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
+
+
+_RULES_ON_EVIDENCE = (_unplaceable, _above_chosen_history, _chosen_history_doubt)
 
 
 def unsettled_lookup(verdict: Verdict, other: Label | None, window_s: float, *, contradicted: bool = False) -> Verdict:
