@@ -107,8 +107,9 @@ class RequestFacts(msgspec.Struct, frozen=True, kw_only=True):
     # Opt-in prompt material, for divergence detail only: used in memory, never written out.
     token_ids: list[int] | None = None
     extra_keys: ExtraKeysSpec | None = None
-    # For what-if sizing (`kvmiss whatif`), never for a verdict: when the request finished
-    # (engine clock, seconds) and how many tokens it generated.
+    # When the request finished (engine clock, seconds) and how many tokens it generated: for
+    # what-if sizing (`kvmiss whatif`); the finish also bounds, in a lookup window, when its
+    # own prompt was stored (`Attributor._stored_nothing_from`).
     finish_time: float | None = None
     output_tokens: int | None = None
 

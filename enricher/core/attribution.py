@@ -17,6 +17,7 @@ from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather, read_the_c
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks, missed_reusable
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
+from kvmiss.enricher.core.residency_types import GPU
 from kvmiss.enricher.core.verdict import attribute, unsettled_lookup
 from kvmiss.schemas.attribution import (
     AttributionRecord,
@@ -112,11 +113,54 @@ class Attributor:
                     and self.index.engine_would_hit(facts.worker, at, facts.block_hashes, blocks,
                                                     lookup_limit_blocks(facts.prompt_tokens, facts.block_size), facts.block_size)):
                 continue  # the engine would have hit the block here: not where it looked up
+            if not read_cache and at != t and self._stored_nothing_from(facts, at):
+                continue  # its own prompt's store came before this step: not where it looked up
             if kept is None:
                 kept = judged
             elif judged.label is not kept.label:
                 return unsettled_lookup(kept, judged.label, latest - t)
         return kept if kept is not None else unsettled_lookup(verdict, None, latest - t, contradicted=True)
+
+    def _stored_nothing_from(self, facts: RequestFacts, at: float) -> bool:
+        """Whether no block of a request that hit nothing was stored on its worker's GPU from
+        the step after ``at`` through its finish -- proven, else False. vLLM caches the full
+        blocks it computes for a request when it schedules them (its first one at the admitting
+        lookup, from block 0 with no parent), so its own store is at its lookup step or after,
+        and before it finished: a step after which none came is not its lookup step. Stores
+        leave a record only where they start an interval or are not counted (`unproven`), so
+        the rule asks only where a parentless store of resident blocks is not counted: one KV
+        group, full report mode possible."""
+        worker, chain, finish = facts.worker, facts.block_hashes, facts.finish_time
+        if worker is None or not chain or finish is None or facts.cached_tokens != 0 or facts.block_size <= 0:
+            return False
+        keys = chain[:facts.prompt_tokens // facts.block_size]
+        margin = self.index.tail_margin_s
+        for view in self.index.views(worker):
+            if view.first_ts is None or view.first_ts > at:
+                continue
+            step, end = view.lookup_step(at, margin), view.lookup_step(finish, margin)
+            if step is None or end is None or not view.epoch_certain or view.hybrid or not view.re_announcements:
+                return False
+            step_ts = view.ts_of(step)
+            if view.horizon_ts is not None and step_ts is not None and step_ts <= view.horizon_ts:
+                return False  # retention may have dropped a record from then on
+            run = view.run_at_step(step)
+            if run is None or run.last_seq < min(end, view.last_seq if view.last_seq is not None else end):
+                return False  # a hole (or another run) inside: a store there is not known
+            marks = view.unproven
+            for tier, table in view.tiers.items():
+                if tier.medium != GPU:
+                    continue
+                tier_marks = marks.get(tier, {})
+                for h in keys:
+                    if view.unproven_pruned_ts is not None and h in view.pruned:
+                        return False  # its marks may be gone
+                    if any(stored is None or step <= stored <= end for stored, _, _ in table.chain(h)):
+                        return False
+                    if any(step <= seq <= end for seq in tier_marks.get(h, ())):
+                        return False
+            return True
+        return False
 
     def _attribute_at(self, facts: RequestFacts) -> Verdict:
         # Gathered for a failed transfer too: the facts beyond the label are reported.

@@ -183,7 +183,7 @@ _FIELDS = SpanFacts.__struct_fields__
 
 # Measured by the engine at the lookup itself: an engine lookup span's value wins.
 ENGINE_FACTS = ("lookup_time", "block_hashes", "block_size", "resource_worker")
-# For what-if sizing only (never read by a verdict): vLLM's `llm_request` -- the span carrying
+# For what-if sizing, and to bound when a request's prompt was stored: vLLM's `llm_request` -- the span carrying
 # its time in queue -- gives them over a router's span. Its end is when the engine finished
 # the request, on the engine host's clock, which stamps the KV events and the lookup time
 # derived from that span; a router's span ends later (the response still streams to the

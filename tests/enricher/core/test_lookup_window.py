@@ -162,3 +162,33 @@ def test_a_window_where_every_step_would_have_hit_contradicts_the_spans_and_is_u
     v = Attributor(index).attribute(request("A", a.ts(6) - 0.5, cached_blocks=0, first_miss=PARENT,
                                             lookup_time_latest=a.ts(9) - 0.5, skip_reading_prefix_cache=False))
     assert v.label is Label.UNKNOWN_HISTORY and "no engine step" in v.reason
+
+
+def own_prompt(a: WorkerFeed, **extra):
+    """A request that hit nothing: H, H+1 (33 tokens), its window over steps 9, 10 and 11."""
+    return chain_request("A", a.ts(9) - 0.5, [H, H + 1], prompt_tokens=33, cached_tokens=0, block_size=16,
+                         lookup_time_latest=a.ts(11) - 0.5, **extra)
+
+
+def test_a_step_after_which_its_own_prompt_was_never_stored_is_not_the_lookup():
+    """Its spans do not say it read the cache, so the engine's hit rule cannot speak for step 11,
+    where H is held. But vLLM stores a request's computed blocks when it schedules them, and
+    nothing of its prompt was stored from step 11 until it finished: its own store (10) came
+    before, so its lookup did too."""
+    index, a = one_worker({10: [stored(H, H + 1)]})
+    assert Attributor(index).attribute(own_prompt(a)).label is Label.UNKNOWN_HISTORY  # no finish time
+    assert Attributor(index).attribute(own_prompt(a, finish_time=a.ts(12) - 0.5)).label is Label.NO_MATCH
+
+
+def test_a_store_of_its_prompt_after_the_step_keeps_the_step_possible():
+    """A second parentless store of the same prompt in step 12, before it finished (another
+    request's, or its own if it skipped the cache and the one at 10 was another's): step 11
+    stays possible."""
+    index, a = one_worker({10: [stored(H, H + 1)], 12: [stored(H, H + 1)]})
+    v = Attributor(index).attribute(own_prompt(a, finish_time=a.ts(13) - 0.5))
+    assert v.label is Label.UNKNOWN_HISTORY and "window" in v.reason
+
+
+def test_without_history_through_its_finish_nothing_is_ruled_out():
+    index, a = one_worker({10: [stored(H, H + 1)]})
+    assert Attributor(index).attribute(own_prompt(a, finish_time=a.ts(40))).label is Label.UNKNOWN_HISTORY
