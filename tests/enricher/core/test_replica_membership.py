@@ -77,10 +77,14 @@ def replica(static, batches, changes, band, shift, since=None) -> Attributor:
     return Attributor(index)
 
 
-def disagreements(seed: int, band: float, apart: float, dated: bool = False):
+def disagreements(seed: int, band: float, apart: float, dated: bool = False, y_band: float | None = None,
+                  candidates: bool = False):
     """Requests on which two replicas give different labels, neither of them unknown.
     ``dated``: each replica dates each change between two answers, up to ``apart`` apart, that
-    hold its true time (as DNS answers do), instead of at a point up to ``apart`` off."""
+    hold its true time (as DNS answers do), instead of at a point up to ``apart`` off.
+    ``y_band``: the second replica's band, when it differs (the router's own choices widened
+    it there and not yet in the first). ``candidates``: every request names the router's
+    candidate set (the fleet's true members at its lookup), as both replicas receive it."""
     rng = random.Random(seed)
     static, batches, changes, end = script(rng)
     workers = ("w0", "w1", "w2", "j0", "j1")
@@ -96,7 +100,7 @@ def disagreements(seed: int, band: float, apart: float, dated: bool = False):
         for w in x_shift:  # at most `apart` between the two replicas' observations
             y_shift[w] = max(x_shift[w] - apart, min(x_shift[w] + apart, y_shift[w]))
     x = replica(static, batches, changes, band, x_shift, x_since)
-    y = replica(static, batches, changes, band, y_shift, y_since)
+    y = replica(static, batches, changes, band if y_band is None else y_band, y_shift, y_since)
     found = []
     times = [rng.uniform(1000.0, end) for _ in range(6)]
     times += [at + d * max(band, apart) for _, _, at in changes
@@ -104,11 +108,21 @@ def disagreements(seed: int, band: float, apart: float, dated: bool = False):
     for t in times:
         for chosen in ("w0", "w1", "w2", "j0", "j1"):
             for key in KEYS:
-                facts = request(chosen, t, first_miss=key)
+                facts = request(chosen, t, first_miss=key, **(
+                    {"route_candidates": members_at(static, changes, t)} if candidates else {}))
                 vx, vy = x.attribute(facts).label, y.attribute(facts).label
                 if vx != vy and vx not in UNKNOWN and vy not in UNKNOWN:
                     found.append((chosen, key, t, vx, vy))
     return found
+
+
+def members_at(static: list[str], changes: list, t: float) -> tuple[str, ...]:
+    """The fleet's true members at ``t`` (the router's candidate set)."""
+    members = set(static)
+    for kind, worker, at in sorted(changes, key=lambda c: c[2]):
+        if at <= t:
+            (members.discard if kind == "depart" else members.add)(worker)
+    return tuple(sorted(members))
 
 
 @settings(max_examples=100, deadline=None)
@@ -147,3 +161,23 @@ def test_replicas_further_apart_than_twice_the_band_can_contradict():
         index.apply_fleet_change(FleetChange(at=departed_at, source="file", departed=("B",)))
         labels.append(Attributor(index).attribute(request("A", 1015.0)).label)
     assert labels == [Label.EVICTED, Label.ROUTING_MISS]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), bands=st.sampled_from([(0.5, 1.5), (0.5, 4.5), (2.0, 6.0)]),
+       apart=st.sampled_from([0.5, 5.0]))
+def test_a_band_widened_in_one_replica_only_never_contradicts(seed, bands, apart):
+    """The router's own choices widen the band (`Membership.chosen`) in each replica when that
+    replica judges the span that shows the lag: for a while one replica's band is wider. A
+    wider band only turns a settled standing into an unsettled one, so labels still differ
+    only by unknown."""
+    assert disagreements(seed, bands[0], apart=apart, dated=True, y_band=bands[1]) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), band=st.sampled_from([0.5, 2.0]), apart=st.sampled_from([5.0, 30.0]))
+def test_replicas_given_the_routers_candidates_never_contradict_however_far_apart(seed, band, apart):
+    """With the candidate set on every span the fleet at a lookup is the router's word, the
+    same for every replica: their own observations, even far more than twice the band apart,
+    no longer matter."""
+    assert disagreements(seed, band, apart=apart, candidates=True) == []
