@@ -175,6 +175,11 @@ class ResidencyIndex:
         worker (enricher/core/worker_lookup.py)."""
         if worker is None or worker not in self.tracked:
             return WorkerLookup(History.UNTRACKED)
+        current = self.current.get(worker)
+        if (instance_hint is None and current is not None and t is not None and current.first_ts is not None
+                and current.first_ts <= t and current.epoch_certain):
+            # the common case: the current lifetime began before t (what `choose_view` finds first)
+            return WorkerLookup(None, current, current.lookup_point(t, self.tail_margin_s), t, self.tail_margin_s)
         views = self.views(worker)
         if not views:
             return WorkerLookup(History.LAGGING)  # tracked, nothing applied yet
