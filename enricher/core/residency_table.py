@@ -10,7 +10,7 @@ Two implementations with one interface:
 
   * ``kvmiss.enricher.core._blocktable.BlockTable`` (enricher/core/_blocktable.c), compiled at install
     time: one 16-byte slot per block at a load factor of 0.53-0.8 (20-30 bytes) and no
-    Python object per block (issues #4 and #18: memory and throughput targets). Used
+    Python object per block (benchmarks/RESULTS.md: the memory and throughput targets). Used
     whenever it imported.
   * `PyBlockTable` below: the reference model, plain and slow. It states the rules; the
     tests run both on the same random event streams and require identical answers
