@@ -101,19 +101,29 @@ class Service:
     def __init__(self, config: Config, *, clock: Callable[[], float] = time.time):
         self.config = config
         self.clock = clock
-        history = config.history
         self.announcements = (Announcements(config.fleet.topics.max_workers) if config.fleet.topics is not None
                               and config.fleet.topics.members == "announced" else None)
         # Membership that may change at run time ([fleet])
         sources = build_sources(config.fleet, self.announcements)
+        self._build_proofs(config, bool(sources))
+        self._build_streams(config, sources)
+        self._build_pipeline(config)
+        self.receivers = Receivers(config.otlp, self)  # self.consume: see there
+        self._build_metrics(config)
+        self._ticker: asyncio.Task | None = None
+        self._stopping = False
+
+    def _build_proofs(self, config: Config, watched: bool) -> None:
+        """The residency index, the digest key, the clocks' bounds and the attributor."""
+        history = config.history
         self.index = ResidencyIndex([w.id for w in config.workers],
                                     retention_s=history.retention_s,
                                     aged_out_horizon_s=history.aged_out_horizon_s,
                                     re_announcements=history.kv_cache_report_mode == "any",
                                     tail_margin_s=history.clock_skew_s + history.publish_delay_s,
                                     membership_uncertainty_s=config.fleet.membership_uncertainty_s,
-                                    dynamic_membership=bool(sources))
-        if sources:
+                                    dynamic_membership=watched)
+        if watched:
             self.index.membership.watched()  # changes known only as far as the sources were asked
         self.digest_key = self._digest_key()
         # The bound each worker's receive lag must keep for its timing to be trusted (see
@@ -128,7 +138,12 @@ class Service:
                                      aged_out_as_recent_match=config.history.aged_out_as_recent_match,
                                      clocks=self._round_clocks.get)
         # Filled on the collector thread, drained in order on the loop (the index's thread).
-        self.feed = IndexFeed(self.index, clock)
+        self.feed = IndexFeed(self.index, self.clock)
+
+    def _build_streams(self, config: Config, sources: list) -> None:
+        """The collector (one stream per worker, the ZeroMQ subscriber) and the membership
+        sources' watch."""
+        history, clock = config.history, self.clock
         self.fleet = Fleet(config.workers, self._on_stream_action,
                            config=StreamConfig(tail_probe_interval_s=history.tail_probe_interval_s or None,
                                                clock_window_s=history.clock_skew_window_s),
@@ -156,6 +171,11 @@ class Service:
         # Joined worker -> when its change was seen, until its first batch is applied (popped
         # on the collector thread: `_on_stream_action`).
         self._awaiting_first: dict[str, float] = {}
+
+    def _build_pipeline(self, config: Config) -> None:
+        """Where the spans go: the export queues and journal, the request records, each
+        member's stream health, and the pipeline that joins spans to verdicts."""
+        clock = self.clock
         self.queues = [ExportQueue(e, max_spans=config.otlp.max_pending_spans)
                        for e in build_exporters(config.export)]
         self.journal = SpanJournal(config.export.journal, max_bytes=config.export.journal_max_bytes,
@@ -190,7 +210,9 @@ class Service:
             log.warning("!!! KV-event batches are decoded by the reference decoder only: collectors/_kvwire.c "
                         "was not built (no C compiler at install time, or KVMISS_PURE_PYTHON_INGEST=1): about "
                         "twice the CPU per event (benchmarks/RESULTS.md). Reinstall kvmiss with a C compiler present. !!!")
-        self.receivers = Receivers(config.otlp, self)  # self.consume: see there
+
+    def _build_metrics(self, config: Config) -> None:
+        """/metrics, /healthz and /readyz, and the collector that reads every counter."""
         dns = next((s for s in self.fleet_watch.sources if s.name == "dns"), None)
         engines = next((s for s in self.fleet_watch.sources if s.name == "engines"), None)
         self.registry = CollectorRegistry()
@@ -209,8 +231,6 @@ class Service:
             topic_drops=None if self.topic_feed is None else lambda: dict(self.topic_feed.counts),
             unreachable=self.worker_watch.unreachable_by_cause,
             discarded=(lambda: self.sink.discarded_spans) if config.export.discard else None))
-        self._ticker: asyncio.Task | None = None
-        self._stopping = False
 
     # --- set-up ---------------------------------------------------------------------------
 
