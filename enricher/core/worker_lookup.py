@@ -240,9 +240,8 @@ class WorkerLookup:
             self.clock_step_s: float | None = None
             self.hole: tuple[int | None, int | None] | None = None
         else:
-            self.doubt, self.horizon_ts, self.step_seq = point.doubt, point.horizon_ts, point.step_seq
-            self._run = point.run  # type: ignore[assignment]
-            self.gap, self.clock_step_s, self.hole = point.gap, point.clock_step_s, point.hole
+            (self.doubt, self.horizon_ts, self.step_seq, self._run,
+             self.gap, self.clock_step_s, self.hole) = point  # type: ignore[assignment]
 
     # --- one block on the chosen worker ------------------------------------------------------
 
