@@ -56,6 +56,9 @@ class Attributor:
         # pipeline): none of them can be ruled out as a holder.
         self.unsubscribed: Collection[str] = ()
         self._round: FleetRound | None = None  # while the index and the clocks stay the same
+        # Marks of stores with no parent told apart so far (`note_re_announcements`): a
+        # verdict held for one (`confirmation_may_settle`) is judged again when it moves.
+        self.confirmed = 0
 
     def clocks_changed(self) -> None:
         """The clocks ``clocks`` reads have moved (the index's changes are seen by itself)."""
@@ -207,9 +210,10 @@ class Attributor:
         # that a lookup known only within a window does not take one of theirs.
         for at, cached in facts.earlier_lookups:
             if cached >= b and cached // b <= len(chain):
-                self.index.confirm_re_announcement(worker, at, list(chain[:cached // b]), at)
+                self.confirmed += self.index.confirm_re_announcement(worker, at, list(chain[:cached // b]), at)
         if admitted and facts.cached_tokens >= b and t is not None:  # (without a time: which store?)
-            self.index.confirm_re_announcement(worker, t, list(chain[:first_miss_index(facts.cached_tokens, b)]),
+            self.confirmed += self.index.confirm_re_announcement(
+                worker, t, list(chain[:first_miss_index(facts.cached_tokens, b)]),
                                                facts.lookup_time_latest)
 
     def confirmation_may_settle(self, verdict: Verdict) -> bool:

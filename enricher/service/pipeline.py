@@ -205,8 +205,8 @@ class Pipeline:
         # noted before any of its requests is judged (`_judge_due`).
         self._due: list[tuple[Assembly, RequestFacts, float]] = []
         # Unknown verdicts a request not yet noted may settle (`Attributor.confirmation_may_settle`):
-        # (assembly, facts, held since, waited for history, index generation when last judged),
-        # judged again when the index moves, settled as they are after assemble_wait_s.
+        # (assembly, facts, held since, waited for history, `Attributor.confirmed` when last
+        # judged), judged again after a confirmation, settled as they are after assemble_wait_s.
         self._held: list[tuple[Assembly, RequestFacts, float, float, int]] = []
         self._reach: HistoryReach | None = None  # per poll: see `_history_reached`
         # So that a span arriving after its request was judged is not judged again: kept
@@ -482,9 +482,9 @@ class Pipeline:
         """Judge the round's due requests; returns how many verdicts were settled. Every one's
         re-announcements are noted first: a verdict may rest on a store with no parent that
         another request of the round re-announced (concurrent requests' spans come together).
-        An unknown verdict such a request may still settle is held: judged again when the
-        index moves (a later request confirmed a store), settled as it is after
-        assemble_wait_s (that request's spans come within it, or never)."""
+        An unknown verdict such a request may still settle is held: judged again after a
+        later request confirmed a store, settled as it is after assemble_wait_s (that
+        request's spans come within it, or never)."""
         due, self._due = self._due, []
         attributor = self.attributor
         for _, facts, _ in due:
@@ -493,7 +493,7 @@ class Pipeline:
         for assembly, facts, waited in due:
             verdict = attributor.judge(facts)
             if not final and attributor.confirmation_may_settle(verdict):
-                self._held.append((assembly, facts, now, waited, attributor.index.generation))
+                self._held.append((assembly, facts, now, waited, attributor.confirmed))
                 self.stats.held_for_confirmation += 1
             else:
                 self._judge(assembly, facts, waited=waited, verdict=verdict)
@@ -503,9 +503,9 @@ class Pipeline:
         return settled
 
     def _judge_held(self, now: float, final: bool) -> int:
-        """The held verdicts (`_judge_due`) judged again where the index moved; returns how
+        """The held verdicts (`_judge_due`) judged again after a confirmation; returns how
         many were settled."""
-        generation = self.attributor.index.generation
+        generation = self.attributor.confirmed
         still: list[tuple[Assembly, RequestFacts, float, float, int]] = []
         settled = 0
         for assembly, facts, since, waited, seen in self._held:
