@@ -16,8 +16,10 @@ What it runs (the set-up of run_e2e.py: venv, tiny model, free ports):
   (BatchSpanProcessor at its defaults), whose context goes to vLLM as ``traceparent``, with
   ``gen_ai.request.id`` = vLLM's own request id (``cmpl-<X-Request-Id>-0``), the prompt and
   cached tokens from the API's answer, ``kvmiss.route.worker``, ``kvmiss.block_size`` and the
-  block chain -- and no lookup time: kvmiss takes it from ``llm_request``. The kvmiss plugin is
-  off. ``plugin``: no router span; the kvmiss plugin writes the lookup span. ``router+plugin``:
+  block chain -- and no lookup time: kvmiss takes it from ``llm_request``. ``--router-spans``
+  says what else: nothing (``spans-md``), the report mode of full-report requests
+  (``report-mode``), or that too and that each request read the cache (``all``). The kvmiss
+  plugin is off. ``plugin``: no router span; the kvmiss plugin writes the lookup span. ``router+plugin``:
   both.
 * A workload of cold prompts, repeats, block-multiple prompts, shared prefixes and fillers that
   evict, paced back-to-back, ~70 ms apart, in bursts of 4 and with idle gaps of 0.1-30 s.
