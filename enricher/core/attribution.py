@@ -17,7 +17,6 @@ from kvmiss.enricher.core.evidence import Clocks, FleetRound, gather, read_the_c
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks, missed_reusable
 from kvmiss.enricher.core.index import ResidencyIndex
 from kvmiss.enricher.core.privacy import DigestKey
-from kvmiss.enricher.core.residency_types import GPU
 from kvmiss.enricher.core.verdict import attribute, unsettled_lookup
 from kvmiss.schemas.attribution import (
     AttributionRecord,
@@ -136,34 +135,7 @@ class Attributor:
         worker, chain, finish = facts.worker, facts.block_hashes, facts.finish_time
         if worker is None or not chain or finish is None or facts.cached_tokens != 0 or facts.block_size <= 0:
             return False
-        keys = chain[:facts.prompt_tokens // facts.block_size]
-        margin = self.index.tail_margin_s
-        for view in self.index.views(worker):
-            if view.first_ts is None or view.first_ts > at:
-                continue
-            step, end = view.lookup_step(at, margin), view.lookup_step(finish, margin)
-            if step is None or end is None or not view.epoch_certain or view.hybrid or not view.re_announcements:
-                return False
-            step_ts = view.ts_of(step)
-            if view.horizon_ts is not None and step_ts is not None and step_ts <= view.horizon_ts:
-                return False  # retention may have dropped a record from then on
-            run = view.run_at_step(step)
-            if run is None or run.last_seq < min(end, view.last_seq if view.last_seq is not None else end):
-                return False  # a hole (or another run) inside: a store there is not known
-            marks = view.unproven
-            for tier, table in view.tiers.items():
-                if tier.medium != GPU:
-                    continue
-                tier_marks = marks.get(tier, {})
-                for h in keys:
-                    if view.unproven_pruned_ts is not None and h in view.pruned:
-                        return False  # its marks may be gone
-                    if any(stored is None or step <= stored <= end for stored, _, _ in table.chain(h)):
-                        return False
-                    if any(step <= seq <= end for seq in tier_marks.get(h, ())):
-                        return False
-            return True
-        return False
+        return self.index.stored_nothing_between(worker, chain[:facts.prompt_tokens // facts.block_size], at, finish)
 
     def _attribute_at(self, facts: RequestFacts) -> Verdict:
         # Gathered for a failed transfer too: the facts beyond the label are reported.
@@ -202,8 +174,7 @@ class Attributor:
             return  # only a request in full report mode re-announces (a duplicate looks the same)
         if b <= 0 or not chain or worker is None:
             return
-        view = self.index.current.get(worker)
-        if (view is None or not view.unproven) and not self.index.previous.get(worker):
+        if not self.index.has_uncounted_stores(worker):
             return
         # Looked up before, not admitted then (its blocks did not fit): each of those lookups
         # that hit re-announced too, in its own step (the plugin's exact times) -- first, so
@@ -223,19 +194,17 @@ class Attributor:
         spans may come after this request's: once noted, the same evidence may prove a label."""
         if verdict.label not in UNKNOWN_LABELS:
             return False
-        index = self.index
-        return any(view.unproven_stores for worker in index.workers() for view in index.views(worker))
+        return self.index.has_unconfirmed_stores()
 
     def _divergence(self, facts: RequestFacts, evidence: Evidence, block: int | None) -> Divergence | None:
         """Which sibling under the request's parent block it left, and how (None when the
         index keeps no siblings or the miss is at the chain's root)."""
         if not block or not facts.block_hashes or evidence.lookup_step_seq is None:
             return None
-        view = self.index.view_of(facts.worker or "", evidence.epoch)
-        if view is None or view.siblings is None:
+        siblings = self.index.siblings_at(facts.worker or "", evidence.epoch, facts.block_hashes[block - 1],
+                                          evidence.lookup_step_seq)
+        if siblings is None:
             return None
-        parent = facts.block_hashes[block - 1]
-        siblings = view.siblings.siblings(parent, evidence.lookup_step_seq)
         assert facts.token_ids is not None  # (the caller asks only then)
         return diverge(facts.token_ids, facts.extra_keys, block, facts.block_size, siblings)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from kvmiss.enricher.core.fleet_view import NOBODY, Clocks, FleetAt, FleetRound, candidates_at, others_at
+from kvmiss.enricher.core.fleet_view import NOBODY, Clocks, FleetRound, others_at
 from kvmiss.enricher.core.geometry import first_miss_index, lookup_limit_blocks
 from kvmiss.enricher.core.group_evidence import limiting_group_evidence
 from kvmiss.enricher.core.index import ResidencyIndex
@@ -92,7 +92,8 @@ def gather(
             return Evidence(history=at.doubt, epoch=at.epoch, clock=clock)  # type: ignore[arg-type]
         # Which lifetime served t is open, but none of them could give a label above
         # routing_miss: another member's proven hold of H still proves it (docs/HISTORY.md).
-        fleet_at = _others(index, facts, key, clocks, unsubscribed, fleet)
+        fleet_at = others_at(index, worker, key, t, clocks, unsubscribed, fleet,  # type: ignore[arg-type]
+                             facts.route_candidates)
         return Evidence(history=History.EPOCH_UNKNOWN, clock=clock, holders=fleet_at.holders,
                         unresolved_holders=fleet_at.unresolved, skewed_workers=fleet_at.skewed,
                         unsettled_members=fleet_at.unsettled, stepped_workers=fleet_at.stepped)
@@ -105,7 +106,8 @@ def gather(
         return Evidence(history=History.CONTINUOUS, clock_step_s=at.clock_step_s, **base)
     base["lookup_step_seq"] = at.step_seq
     key = first_miss_hash(facts)
-    fleet_at = NOBODY if key is None else _others(index, facts, key, clocks, unsubscribed, fleet)
+    fleet_at = NOBODY if key is None else others_at(index, worker, key, t, clocks, unsubscribed, fleet,  # type: ignore[arg-type]
+                                                     facts.route_candidates)
     tiers, tier_doubts = at.tiers(key) if key is not None and at.tiered else ((), ())
     base.update(holders=fleet_at.holders, tiers=tiers, unresolved_holders=fleet_at.unresolved + tier_doubts,
                 skewed_workers=fleet_at.skewed, unsettled_members=fleet_at.unsettled,
@@ -120,16 +122,6 @@ def gather(
             return found
         base["group"] = at.primary_group
     return _primary_evidence(at, facts, key, base, aged_out_as_recent_match)
-
-
-def _others(index: ResidencyIndex, facts: RequestFacts, key: int, clocks: Clocks | None,
-            unsubscribed: Collection[str], fleet: FleetRound | None) -> FleetAt:
-    """The rest of the fleet at the lookup: the router's candidate set when its span named one,
-    else every worker the membership sources place in the fleet then."""
-    worker, t = facts.worker, facts.lookup_time  # (both set: the chosen worker was placed at t)
-    if facts.route_candidates is not None:
-        return candidates_at(index, worker, key, t, facts.route_candidates, clocks)  # type: ignore[arg-type]
-    return others_at(index, worker, key, t, clocks, unsubscribed, fleet)  # type: ignore[arg-type]
 
 
 def _primary_evidence(at: WorkerLookup, facts: RequestFacts, key: int, base: dict[str, Any],

@@ -229,7 +229,8 @@ def candidates_at(index: ResidencyIndex, chosen: str, key: int, t: float, candid
 
 
 def others_at(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
-              unsubscribed: Collection[str] = (), fleet: FleetRound | None = None) -> FleetAt:
+              unsubscribed: Collection[str] = (), fleet: FleetRound | None = None,
+              candidates: Collection[str] | None = None) -> FleetAt:
     """Every other tracked worker that counts at t: who provably held H at t, why the rest
     that may have cannot be ruled out, which were not consulted because their clock is out of
     bound, which held or may have held H while their membership at t is unsettled, and which
@@ -237,7 +238,9 @@ def others_at(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Cl
     label below routing_miss is provable. Workers of the fleet that are
     not subscribed to (``unsubscribed``: named by spans, absent from the index) may have held
     H: each is unresolved, never absent. ``fleet``: the round's `FleetRound` (built here when
-    not given: O(workers))."""
+    not given: O(workers)). ``candidates``: the router's candidate set (`candidates_at`)."""
+    if candidates is not None:  # the router said whom it could choose
+        return candidates_at(index, chosen, key, t, candidates, clocks)
     if fleet is None:
         fleet = FleetRound(index, clocks)
     holders: list[Holder] = []

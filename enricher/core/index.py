@@ -210,6 +210,57 @@ class ResidencyIndex:
                     and view.engine_would_hit(chain, blocks, limit, block_size, step))
         return False
 
+    def stored_nothing_between(self, worker: str, keys: Sequence[int], at: float, finish: float) -> bool:
+        """Whether none of ``keys`` was stored on ``worker``'s GPU from the step after ``at``
+        through the one of ``finish`` -- proven, else False. Asked only where a parentless
+        store of resident blocks is not counted (one KV group, full report mode possible):
+        stores leave a record only where they start an interval or are not counted."""
+        margin = self.tail_margin_s
+        for view in self.views(worker):
+            if view.first_ts is None or view.first_ts > at:
+                continue
+            step, end = view.lookup_step(at, margin), view.lookup_step(finish, margin)
+            if step is None or end is None or not view.epoch_certain or view.hybrid or not view.re_announcements:
+                return False
+            step_ts = view.ts_of(step)
+            if view.horizon_ts is not None and step_ts is not None and step_ts <= view.horizon_ts:
+                return False  # retention may have dropped a record from then on
+            run = view.run_at_step(step)
+            if run is None or run.last_seq < min(end, view.last_seq if view.last_seq is not None else end):
+                return False  # a hole (or another run) inside: a store there is not known
+            marks = view.unproven
+            for tier, table in view.tiers.items():
+                if tier.medium != GPU:
+                    continue
+                tier_marks = marks.get(tier, {})
+                for h in keys:
+                    if view.unproven_pruned_ts is not None and h in view.pruned:
+                        return False  # its marks may be gone
+                    if any(stored is None or step <= stored <= end for stored, _, _ in table.chain(h)):
+                        return False
+                    if any(step <= seq <= end for seq in tier_marks.get(h, ())):
+                        return False
+            return True
+        return False
+
+    def has_uncounted_stores(self, worker: str) -> bool:
+        """Whether ``worker``'s lifetimes may hold a store not counted as a copy (a previous
+        lifetime is not looked into: it may)."""
+        view = self.current.get(worker)
+        return (view is not None and bool(view.unproven)) or bool(self.previous.get(worker))
+
+    def has_unconfirmed_stores(self) -> bool:
+        """Whether any lifetime holds a store with no parent not yet told apart."""
+        return any(view.unproven_stores for worker in self.workers() for view in self.views(worker))
+
+    def siblings_at(self, worker: str, epoch: int | None, parent: int, step_seq: int) -> list[Any] | None:
+        """The chains seen under ``parent`` on that lifetime before ``step_seq`` (divergence
+        detail), or None when the index keeps none."""
+        view = self.view_of(worker, epoch)
+        if view is None or view.siblings is None:
+            return None
+        return view.siblings.siblings(parent, step_seq)
+
     def step_stamps_between(self, lo: float, hi: float, limit: int) -> list[float] | None:
         """The distinct stamps in [``lo``, ``hi``) of the batches applied from every tracked
         worker, ascending: between two of them no worker's residency changed, so a lookup

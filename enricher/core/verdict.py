@@ -96,17 +96,18 @@ def attribute(
         history = evidence.history if evidence is not None else None
         return _verdict(Label.UNKNOWN_HISTORY, f"invalid request facts: {invalid}", history=history)
 
-    settled = _nothing_missed(facts)
+    b = facts.block_size
+    limit = lookup_limit_tokens(facts.prompt_tokens, b)
+    settled = _nothing_missed(facts, limit)
     if settled is not None:
         return settled
-    b = facts.block_size
     block = first_miss_index(facts.cached_tokens, b)
     chain = facts.block_hashes
     first_miss = chain[block] if chain is not None and block < len(chain) else None
     known: dict[str, Any] = {
         "first_miss_block": block,
         "first_miss_token": block * b,
-        "missed_tokens": lookup_limit_tokens(facts.prompt_tokens, b) - facts.cached_tokens,
+        "missed_tokens": limit - facts.cached_tokens,
         "extra_key_kinds": facts.extra_key_kinds,
     }
     if first_miss is not None and digest is not None:
@@ -144,11 +145,11 @@ def attribute(
     return _where_h_stood(facts, evidence, known)
 
 
-def _nothing_missed(facts: RequestFacts) -> Verdict | None:
-    """hit / lookup_limit: nothing reusable was missed. C > L (possible only with an engine
-    that also serves the last token) missed nothing either, so it is a hit."""
+def _nothing_missed(facts: RequestFacts, limit: int) -> Verdict | None:
+    """hit / lookup_limit: nothing reusable was missed (``limit``: the lookup limit L in
+    tokens). C > L (possible only with an engine that also serves the last token) missed
+    nothing either, so it is a hit."""
     n, b, c = facts.prompt_tokens, facts.block_size, facts.cached_tokens
-    limit = lookup_limit_tokens(n, b)
     if c < limit:
         return None
     if c == limit and n >= b and n % b == 0:
