@@ -123,8 +123,7 @@ class FleetRound:
             picked = set(self.slow)
             picked.update(self._lo_pos[bisect_right(self._los, t):])  # window starts after t
             picked.update(self._hi_pos[:bisect_left(self._his, t)])  # history not proven to t
-            table_pos = self.table_pos
-            picked.update(table_pos[i] for i in holding(key, self.tables))
+            picked.update(map(self.table_pos.__getitem__, holding(key, self.tables)))  # (no generator frame)
             gone_pos = self._gone_pos
             start = bisect_left(self._gone_until, t) if gone_pos else 0
             if start < len(gone_pos):  # those that left at most a band before t, unless ruled out as above
@@ -137,8 +136,7 @@ class FleetRound:
                 table_of = self._gone_table_of
                 picked.update(gone_pos[table_of[first + j]] for j in holding(key, self._gone_tables[first:]))
         picked.discard(self.position.get(chosen))
-        workers = self.workers
-        return [workers[pos] for pos in sorted(picked)]
+        return list(map(self.workers.__getitem__, sorted(picked))) if picked else []
 
     def skewed_at(self, chosen: str, t: float) -> tuple[ClockOffset, ...]:
         """The clocks out of bound of the workers besides ``chosen`` that count at ``t``."""

@@ -98,9 +98,8 @@ def attribute(
 
     b = facts.block_size
     limit = lookup_limit_tokens(facts.prompt_tokens, b)
-    settled = _nothing_missed(facts, limit)
-    if settled is not None:
-        return settled
+    if facts.cached_tokens >= limit:  # (the common miss pays no call here)
+        return _nothing_missed(facts, limit)
     block = first_miss_index(facts.cached_tokens, b)
     chain = facts.block_hashes
     first_miss = chain[block] if chain is not None and block < len(chain) else None
@@ -145,13 +144,11 @@ def attribute(
     return _where_h_stood(facts, evidence, known)
 
 
-def _nothing_missed(facts: RequestFacts, limit: int) -> Verdict | None:
-    """hit / lookup_limit: nothing reusable was missed (``limit``: the lookup limit L in
-    tokens). C > L (possible only with an engine that also serves the last token) missed
-    nothing either, so it is a hit."""
+def _nothing_missed(facts: RequestFacts, limit: int) -> Verdict:
+    """hit / lookup_limit, for C >= L (``limit``: the lookup limit L in tokens): nothing
+    reusable was missed. C > L (possible only with an engine that also serves the last token)
+    missed nothing either, so it is a hit."""
     n, b, c = facts.prompt_tokens, facts.block_size, facts.cached_tokens
-    if c < limit:
-        return None
     if c == limit and n >= b and n % b == 0:
         return _verdict(
             Label.LOOKUP_LIMIT,
