@@ -136,12 +136,14 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     transfers: tuple[TransferAttempt, ...] = ()
     instance_hint: str | None = None
     route_policy: str | None = None
+    route_candidates: tuple[str, ...] | None = None  # the router's candidate set
     predicted_cached_tokens: int | None = None
     kv_cache_report_mode: str | None = None
     skip_reading_prefix_cache: bool | None = None
     earlier_lookups: tuple[tuple[float, int], ...] = ()
     finish_time: float | None = None
     output_tokens: int | None = None
+    chain_unavailable: str | None = None  # why no chain was made of the token ids (no token id in it)
 
 
 # KV-cache group kinds (vLLM's `kv_cache_spec_kind`) whose hit rule kvmiss models: the
