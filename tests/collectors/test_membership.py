@@ -111,7 +111,7 @@ def test_the_fleet_file_is_checked_by_the_config_parser_rules():
 def test_fleet_section_keys_are_validated_naming_the_key():
     config = parse_config('[fleet]\nfile = "/etc/kvmiss/fleet.toml"\n')
     assert config.fleet.file == "/etc/kvmiss/fleet.toml"
-    assert (config.fleet.poll_interval_s, config.fleet.membership_uncertainty_s) == (0.25, 2.0)
+    assert (config.fleet.poll_interval_s, config.fleet.membership_uncertainty_s) == (0.25, 0.5)
     for text, key in (('file = " "', "fleet.file"), ("poll_interval_s = 0", "fleet.poll_interval_s"),
                       ("poll_interval_s = 120", "fleet.poll_interval_s"),
                       ("poll_interval_s = nan", "fleet.poll_interval_s"),

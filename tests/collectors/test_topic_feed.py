@@ -305,6 +305,6 @@ def test_the_membership_band_need_not_cover_how_often_dns_is_asked():
     """A DNS change is dated by the interval between the answers (`DnsMembership.poll`), so
     the band covers only the router's lag and the clocks: a 5 s interval with the default band."""
     config = parse_config('[fleet.dns]\nname = "engines.ns.svc"\ninterval_s = 5.0\n', source="kvmiss.toml")
-    assert (config.fleet.dns.interval_s, config.fleet.membership_uncertainty_s) == (5.0, 2.0)
+    assert (config.fleet.dns.interval_s, config.fleet.membership_uncertainty_s) == (5.0, 0.5)
     with pytest.raises(ConfigError, match=r"membership_uncertainty_s must be a finite number of seconds >= "):
         parse_config("[fleet]\npoll_interval_s = 0.5\nmembership_uncertainty_s = 0.2\n", source="kvmiss.toml")
