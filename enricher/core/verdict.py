@@ -137,11 +137,7 @@ def attribute(
         reason = _untracked_reason(facts)
         return _verdict(Label.UNKNOWN_HISTORY, reason, history=History.UNTRACKED, **known)
 
-    for rule in _RULES_ON_EVIDENCE:  # in precedence order (ATTRIBUTION.md)
-        verdict = rule(facts, evidence, known, from_request)
-        if verdict is not None:
-            return verdict
-    return _where_h_stood(facts, evidence, known)
+    return _on_evidence(facts, evidence, known, from_request)
 
 
 def _nothing_missed(facts: RequestFacts, limit: int) -> Verdict:
@@ -160,94 +156,56 @@ def _nothing_missed(facts: RequestFacts, limit: int) -> Verdict:
     return _verdict(Label.HIT, "every reusable prompt block was served from the prefix cache")
 
 
-def _unplaceable(facts: RequestFacts, evidence: Evidence, known: dict[str, Any], from_request: dict[str, Any]) -> Verdict | None:
-    """Nothing about H can be placed at t: the chosen worker's clock, or a group kvmiss does
-    not model, decides first."""
-    # The chosen worker's clock out of bound: t cannot be placed against any event time,
-    # so no timed fact (holders, eviction age, store/removal, window) is reported either.
+def _on_evidence(facts: RequestFacts, evidence: Evidence, known: dict[str, Any],
+                 from_request: dict[str, Any]) -> Verdict:
+    """The labels the index's evidence proves, first that holds (ATTRIBUTION.md precedence).
+    ``from_request``: the facts that hold whatever the chosen worker's clock says."""
+    unknown = Label.UNKNOWN_HISTORY
+    # The chosen worker's clock out of bound, or gone back around t: t cannot be placed against
+    # any event time, so no timed fact (holders, eviction age, store/removal) is reported.
     if evidence.clock is not None and not evidence.clock.within_bound:
-        return _verdict(Label.UNKNOWN_HISTORY, _clock_reason(evidence.clock), **from_request,
+        return _verdict(unknown, _clock_reason(evidence.clock), **from_request, history=evidence.history,
+                        epoch=evidence.epoch)
+    if evidence.clock_step_s is not None:
+        return _verdict(unknown, _CLOCK_STEP.format(evidence.clock_step_s), **from_request,
                         history=evidence.history, epoch=evidence.epoch)
-    if evidence.clock_step_s is not None:  # the same, from a clock that went back around t
-        return _verdict(Label.UNKNOWN_HISTORY,
-                        f"clock step: the chosen worker's engine clock went back {evidence.clock_step_s:.3f} s "
-                        "around the lookup, so its events cannot be ordered against the lookup time",
-                        **from_request, history=evidence.history, epoch=evidence.epoch)
-
-    # A hybrid model whose limiting group follows a hit rule kvmiss does not model: no label
-    # below can be computed as if that group were full attention (ATTRIBUTION.md rule 8).
-    if evidence.unmodelled is not None:
-        return _verdict(Label.UNKNOWN_HISTORY,
-                        f"the hit was limited by KV-cache groups kvmiss does not model: {evidence.unmodelled}",
-                        **known)
-    return None
-
-
-def _above_chosen_history(facts: RequestFacts, evidence: Evidence, known: dict[str, Any], from_request: dict[str, Any]) -> Verdict | None:
-    """The labels that hold whatever the chosen worker's own history: its tier held H
-    (transfer_failure), a window group never kept the state (window_limit), another member held
-    H (routing_miss)."""
-    # transfer_failure, from tier residency on the chosen worker.
-    if evidence.tiers:
-        tier = _tier_kind(evidence.tiers[0].medium)
-        reason = f"the first missed block was on the chosen worker's {tier} at lookup, not loaded"
-        return _verdict(Label.TRANSFER_FAILURE, reason, **known)
-
-    # window_limit: the evidence builder established it on continuous history (the window
-    # group never stored the blocks it needed; the full-attention group held H at t).
-    if evidence.window_limit:
-        return _verdict(
-            Label.WINDOW_LIMIT,
-            "the full-attention group held the first missed block, but the linear-attention (Mamba) "
-            "group never kept a state at the boundary it reached (the engine keeps one at prompt ends)"
-            if evidence.state_group else
-            "the full-attention group held the first missed block, but the sliding-window group "
-            "never kept the window's state at that position (the engine keeps it near prompt ends)",
-            **known,
-        )
-
-    # In a hybrid, another worker holding H in its full-attention group does not prove it
-    # would have served more: its other groups decide too.
-    if evidence.holders and evidence.group is not None:
-        return _verdict(Label.UNKNOWN_HISTORY,
-                        "another worker held the first missed block in its full-attention group; whether "
-                        "its other KV-cache groups would have served it is not established", **known)
-
-    # routing_miss: other workers' continuity was checked by the evidence builder, so
-    # this holds even when the chosen worker's own history is broken.
-    if evidence.holders:
+    if evidence.unmodelled is not None:  # never a label computed as if it were full attention (rule 8)
+        return _verdict(unknown, _UNMODELLED + evidence.unmodelled, **known)
+    if evidence.tiers:  # transfer_failure: a tier of the chosen worker held H, not loaded
+        return _verdict(Label.TRANSFER_FAILURE, _TIER_HELD.format(_tier_kind(evidence.tiers[0].medium)), **known)
+    if evidence.window_limit:  # established on continuous history by the evidence builder
+        return _verdict(Label.WINDOW_LIMIT, _STATE_LIMIT if evidence.state_group else _WINDOW_LIMIT, **known)
+    if evidence.holders and evidence.group is not None:  # a hybrid: the holder's other groups decide too
+        return _verdict(unknown, _HYBRID_HOLDER, **known)
+    if evidence.holders:  # routing_miss, whatever the chosen worker's own history
         count = len(evidence.holders)
-        reason = (
-            f"{count} other tracked worker{'s' if count > 1 else ''} held the first missed block "
-            "at lookup, but the request was routed elsewhere"
-        )
-        return _verdict(Label.ROUTING_MISS, reason, **known)
-    return None
-
-
-def _chosen_history_doubt(facts: RequestFacts, evidence: Evidence, known: dict[str, Any], from_request: dict[str, Any]) -> Verdict | None:
-    """The chosen worker's history, or another worker that may have held H, leaves the
-    cause unknown."""
+        return _verdict(Label.ROUTING_MISS, _ROUTED_ELSEWHERE.format(count, "s" if count > 1 else ""), **known)
     # The chosen worker's history must support a claim before presence means anything.
     if evidence.history is History.EPOCH_UNKNOWN:
-        return _verdict(
-            Label.UNKNOWN_EPOCH,
-            "which process lifetime of the chosen worker served the request is not established "
-            "(unresolved restart or reconnect, or an instance the index does not hold)",
-            **known,
-        )
+        return _verdict(Label.UNKNOWN_EPOCH, _EPOCH_OPEN, **known)
     if evidence.history is not History.CONTINUOUS:
-        reason = _insufficient_history_reason(facts, evidence)
-        return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
-
-    # Below routing_miss only if no other worker (or tier) may have held H at t: one whose
-    # hold can be neither proven nor ruled out leaves the cause unknown, not a guess.
+        return _verdict(unknown, _insufficient_history_reason(facts, evidence), **known)
+    # Below routing_miss only if no other worker (or tier) may have held H at t.
     if evidence.unresolved_holders:
-        return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence),
-                        **{**known, "history": evidence.unresolved_holders[0]})
+        return _verdict(unknown, _unresolved_reason(evidence), **{**known, "history": evidence.unresolved_holders[0]})
     if evidence.skewed_workers or evidence.unsettled_members or evidence.stepped_workers:
-        return _verdict(Label.UNKNOWN_HISTORY, _unresolved_reason(evidence), **known)
-    return None
+        return _verdict(unknown, _unresolved_reason(evidence), **known)
+    return _where_h_stood(facts, evidence, known)
+
+
+_CLOCK_STEP = ("clock step: the chosen worker's engine clock went back {:.3f} s around the lookup, so its "
+               "events cannot be ordered against the lookup time")
+_UNMODELLED = "the hit was limited by KV-cache groups kvmiss does not model: "
+_TIER_HELD = "the first missed block was on the chosen worker's {} at lookup, not loaded"
+_STATE_LIMIT = ("the full-attention group held the first missed block, but the linear-attention (Mamba) "
+                "group never kept a state at the boundary it reached (the engine keeps one at prompt ends)")
+_WINDOW_LIMIT = ("the full-attention group held the first missed block, but the sliding-window group "
+                 "never kept the window's state at that position (the engine keeps it near prompt ends)")
+_HYBRID_HOLDER = ("another worker held the first missed block in its full-attention group; whether "
+                  "its other KV-cache groups would have served it is not established")
+_ROUTED_ELSEWHERE = "{} other tracked worker{} held the first missed block at lookup, but the request was routed elsewhere"
+_EPOCH_OPEN = ("which process lifetime of the chosen worker served the request is not established "
+               "(unresolved restart or reconnect, or an instance the index does not hold)")
 
 
 def _where_h_stood(facts: RequestFacts, evidence: Evidence, known: dict[str, Any]) -> Verdict:
@@ -276,7 +234,7 @@ def _where_h_stood(facts: RequestFacts, evidence: Evidence, known: dict[str, Any
     return _verdict(Label.UNKNOWN_HISTORY, reason, **known)
 
 
-_RULES_ON_EVIDENCE = (_unplaceable, _above_chosen_history, _chosen_history_doubt)
+
 
 
 def unsettled_lookup(verdict: Verdict, other: Label | None, window_s: float, *, contradicted: bool = False) -> Verdict:
