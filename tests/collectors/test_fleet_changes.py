@@ -223,7 +223,9 @@ def test_a_lingering_worker_that_joins_again_is_a_new_stream_at_once(engines):
         sub.change_fleet(FleetChange(at=time.time(), source="file", departed=("a",)))
         sub.change_fleet(FleetChange(at=time.time(), source="file", joined=(a.spec,)))
         wait(lambda: fleet.streams.get("a") is not old, "a new stream")
-        assert not sub.lingering and sockets_of(sub, "a") == 2  # one SUB and its monitor, not two
+        # one SUB and its monitor, not two (the monitor opens a moment after the SUB)
+        wait(lambda: sockets_of(sub, "a") == 2, "the new stream's SUB and monitor")
+        assert not sub.lingering and sockets_of(sub, "a") == 2
         applied = len(sink.of("a"))
         seen(sink, a, "a", after=applied)
         assert min(e for e, _ in sink.of("a")[applied:]) > sink.of("a")[0][0]

@@ -1,7 +1,7 @@
 """A fleet that changes under ``kvmiss serve`` at its documented defaults (no poll interval or
 membership band set), at 20 requests/s or more: a join, a departure, a return under the same id
 (a restarted engine on the same endpoints, its sequence from 0) and a rolling replacement, each
-followed by traffic. The parts are those of test_fleet_file.py: demo publishers speaking vLLM's
+followed by 20 s of traffic. The parts are those of test_fleet_file.py: demo publishers speaking vLLM's
 wire behind lossy proxies (drops recovered through replay), a real kvmiss process, real
 OTLP/HTTP posts and a real sink; the router routes only to the fleet's members at each lookup.
 
@@ -38,9 +38,10 @@ from test_fleet_file import FleetRig, verdicts
 from test_replicas import trace_request
 
 UNKNOWN_BUDGET = 0.02
-RATE = 24.0  # requests/s, fleet-wide
+RATE = 26.0  # requests/s, fleet-wide, aimed for (at least 20 on a loaded machine)
 PER_ROUND = 4  # requests sharing one lookup time
-WINDOW_S = 12.0  # traffic after each change
+BAND_S = 0.5  # the documented default band: lookups this close before a change belong to it
+WINDOW_S = 20.0  # traffic after each change (the bound is for the minute after: stricter)
 
 
 def start_kvmiss_at_defaults(rig, path: str, sink_port: int) -> Kvmiss:
@@ -142,9 +143,9 @@ def test_join_departure_return_and_replacement_at_the_documented_defaults(rig, r
                  if labels[rid][0] not in (want, *UNKNOWN)}
         assert not wrong, wrong
         report = []
-        for i, (kind, at) in enumerate(changes):
-            until = changes[i + 1][1] if i + 1 < len(changes) else float("inf")
-            window = [rid for rid in expected if at < lookups[rid] < until]
+        for i, (kind, at) in enumerate(changes):  # each change's band before it is its own
+            until = changes[i + 1][1] - BAND_S if i + 1 < len(changes) else float("inf")
+            window = [rid for rid in expected if at - BAND_S < lookups[rid] < until]
             unknown = [rid for rid in window if labels[rid][0] in UNKNOWN]
             report.append(f"{kind}: {len(unknown)} unknown of {len(window)}")
             assert len(unknown) <= UNKNOWN_BUDGET * len(window), \
