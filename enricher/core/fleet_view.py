@@ -194,36 +194,55 @@ def _member_worker(index: ResidencyIndex, worker: str, key: int, t: float,
     return held.unresolved
 
 
+class _Answers:
+    """The other workers' answers, sorted as they come (`others_at`, `candidates_at`)."""
+
+    __slots__ = ("holders", "unresolved", "unsettled", "stepped")
+
+    def __init__(self, unresolved: list[History]):
+        self.holders: list[Holder] = []
+        self.unresolved = unresolved
+        self.unsettled: list[str] = []
+        self.stepped: list[str] = []
+
+    def add(self, found: Holder | History | _Unsettled | _Stepped | None) -> None:
+        cls = found.__class__
+        if cls is Holder:
+            self.holders.append(found)  # type: ignore[arg-type]
+        elif cls is _Unsettled:
+            self.unsettled.append(str(found))
+        elif cls is _Stepped:
+            self.stepped.append(str(found))
+        elif found is not None:
+            self.unresolved.append(found)  # type: ignore[arg-type]
+
+    def answer(self, skewed: tuple[ClockOffset, ...]) -> FleetAt:
+        if not (self.holders or self.unresolved or self.unsettled or self.stepped or skewed):
+            return NOBODY
+        return FleetAt(tuple(self.holders), tuple(self.unresolved), skewed, tuple(self.unsettled),
+                       tuple(self.stepped))
+
+
 def candidates_at(index: ResidencyIndex, chosen: str, key: int, t: float, candidates: Collection[str],
                   clocks: Clocks | None = None) -> FleetAt:
     """`others_at` when the router said whom it could choose (``kvmiss.route.candidates``): the
     fleet at t is exactly those, so no membership is unsettled and no other worker counts. A
     candidate the index does not follow may have held H: unresolved, never absent."""
-    holders: list[Holder] = []
-    unresolved: list[History] = []
+    answers = _Answers([])
     skewed: list[ClockOffset] = []
-    stepped: list[str] = []
     margin = index.tail_margin_s
     for worker in sorted(candidates):
         if worker == chosen:
             continue
         if worker not in index.tracked:
-            unresolved.append(History.UNTRACKED)
+            answers.add(History.UNTRACKED)
             continue
         clock = clocks(worker) if clocks is not None else None
         if clock is not None and not clock.within_bound:
             skewed.append(clock)
             continue
-        found = _member_worker(index, worker, key, t, margin)
-        if isinstance(found, Holder):
-            holders.append(found)
-        elif found.__class__ is _Stepped:
-            stepped.append(str(found))
-        elif found is not None:
-            unresolved.append(found)  # type: ignore[arg-type]
-    if not (holders or unresolved or skewed or stepped):
-        return NOBODY
-    return FleetAt(tuple(holders), tuple(unresolved), tuple(skewed), (), tuple(stepped))
+        answers.add(_member_worker(index, worker, key, t, margin))
+    return answers.answer(tuple(skewed))
 
 
 def others_at(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Clocks | None = None,
@@ -241,28 +260,13 @@ def others_at(index: ResidencyIndex, chosen: str, key: int, t: float, clocks: Cl
         return candidates_at(index, chosen, key, t, candidates, clocks)
     if fleet is None:
         fleet = FleetRound(index, clocks)
-    holders: list[Holder] = []
-    unresolved: list[History] = [History.UNTRACKED for worker in unsubscribed if worker != chosen]
-    unsettled: list[str] = []
-    stepped: list[str] = []
+    answers = _Answers([History.UNTRACKED for worker in unsubscribed if worker != chosen])
     margin, membership = index.tail_margin_s, index.membership
     changed = membership.spans or membership.released  # else every worker is a member at every t
     unseen = t + membership.band_s > membership.known_through  # a change near t may not be seen yet
     for worker in fleet.others(chosen, key, t):
         if unseen or (changed and (worker in membership.spans or worker in membership.released)):
-            found = _other_worker(index, worker, key, t, margin)
+            answers.add(_other_worker(index, worker, key, t, margin))
         else:
-            found = _member_worker(index, worker, key, t, margin)
-        cls = found.__class__
-        if cls is Holder:
-            holders.append(found)  # type: ignore[arg-type]
-        elif cls is _Unsettled:
-            unsettled.append(str(found))
-        elif cls is _Stepped:
-            stepped.append(str(found))
-        elif found is not None:
-            unresolved.append(found)  # type: ignore[arg-type]
-    if not (holders or unresolved or unsettled or stepped or fleet.skewed):
-        return NOBODY
-    return FleetAt(tuple(holders), tuple(unresolved), fleet.skewed_at(chosen, t) if fleet.skewed else (),
-                   tuple(unsettled), tuple(stepped))
+            answers.add(_member_worker(index, worker, key, t, margin))
+    return answers.answer(fleet.skewed_at(chosen, t) if fleet.skewed else ())
