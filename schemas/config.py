@@ -18,7 +18,13 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from kvmiss.schemas.engine_sources import EngineEntry, FleetEnginesConfig, check_engine_entries, check_fleet_engines
+from kvmiss.schemas.engine_sources import (
+    EngineDnsConfig,
+    EngineEntry,
+    FleetEnginesConfig,
+    check_engine_entries,
+    check_fleet_engines,
+)
 from kvmiss.schemas.span_attributes import InputNames
 
 # The engines a worker may name (`WorkerSpec.engine`): each has its adapter in
@@ -580,23 +586,28 @@ def parse_nameserver(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def check_fleet_dns(dns: FleetDnsConfig, source: str) -> None:
-    """[fleet.dns]'s own rules (the section's types are checked by msgspec)."""
+def check_name_resolution(dns: FleetDnsConfig | EngineDnsConfig, where: str) -> None:
+    """The rules of a section that re-resolves a DNS name (``where``: e.g. "kvmiss.toml:
+    fleet.dns"): its name, its interval, timeout and empty grace, its nameserver."""
     if not dns.name.strip(". "):
-        raise ConfigError(f"{source}: fleet.dns.name must be a DNS name")
+        raise ConfigError(f"{where}.name must be a DNS name")
     for key in ("interval_s", "timeout_s"):
         value = getattr(dns, key)
         if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{source}: fleet.dns.{key} must be a finite number of seconds > 0, got {value}")
+            raise ConfigError(f"{where}.{key} must be a finite number of seconds > 0, got {value}")
     if not (math.isfinite(dns.empty_grace_s) and dns.empty_grace_s >= 0):
-        raise ConfigError(f"{source}: fleet.dns.empty_grace_s must be a finite number of seconds >= 0, "
-                          f"got {dns.empty_grace_s}")
+        raise ConfigError(f"{where}.empty_grace_s must be a finite number of seconds >= 0, got {dns.empty_grace_s}")
     if dns.nameserver is not None:
         try:
             parse_nameserver(dns.nameserver)
         except ValueError:
-            raise ConfigError(f"{source}: fleet.dns.nameserver must be \"ip:port\" (IPv6 in brackets), "
+            raise ConfigError(f"{where}.nameserver must be \"ip:port\" (IPv6 in brackets), "
                               f"got {dns.nameserver!r}") from None
+
+
+def check_fleet_dns(dns: FleetDnsConfig, source: str) -> None:
+    """[fleet.dns]'s own rules (the section's types are checked by msgspec)."""
+    check_name_resolution(dns, f"{source}: fleet.dns")
     for key in ("endpoint", "replay_endpoint", "id"):
         template = getattr(dns, key)
         if template is not None:

@@ -93,7 +93,7 @@ def id_fields(url: str, dp_rank: int) -> dict[str, object]:
 
 def check_fleet_engines(engines: FleetEnginesConfig, source: str, *, file: bool) -> None:
     """[fleet.engines]'s own rules; ``file``: a [fleet] file may list engines too."""
-    from kvmiss.schemas.config import ConfigError, parse_nameserver, template_fields
+    from kvmiss.schemas.config import ConfigError, check_name_resolution, template_fields
     key = f"{source}: fleet.engines"
     if not engines.urls and engines.dns is None and not file:
         raise ConfigError(f"{key} lists no engines: set urls, [fleet.engines.dns] or a [fleet] file "
@@ -113,20 +113,7 @@ def check_fleet_engines(engines: FleetEnginesConfig, source: str, *, file: bool)
     dns = engines.dns
     if dns is None:
         return
-    if not dns.name.strip(". "):
-        raise ConfigError(f"{key}.dns.name must be a DNS name")
-    for name in ("interval_s", "timeout_s"):
-        value = getattr(dns, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{key}.dns.{name} must be a finite number of seconds > 0, got {value}")
-    if not (math.isfinite(dns.empty_grace_s) and dns.empty_grace_s >= 0):
-        raise ConfigError(f"{key}.dns.empty_grace_s must be a finite number of seconds >= 0, got {dns.empty_grace_s}")
-    if dns.nameserver is not None:
-        try:
-            parse_nameserver(dns.nameserver)
-        except ValueError:
-            raise ConfigError(f"{key}.dns.nameserver must be \"ip:port\" (IPv6 in brackets), "
-                              f"got {dns.nameserver!r}") from None
+    check_name_resolution(dns, f"{key}.dns")
     if not {"ip", "host"} & set(template_fields(f"{key}.dns.url", dns.url, DNS_URL_FIELDS)):
         raise ConfigError(f"{key}.dns.url must contain {{ip}} or {{host}}: one engine per address")
     problem = url_problem(dns.url.format(ip="192.0.2.1", host="192.0.2.1", name=dns.name))
