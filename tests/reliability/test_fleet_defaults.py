@@ -20,10 +20,6 @@ import time
 import pytest
 from lossy_proxy import LossyProxy
 from reliability_rig import (
-    BLOCK,
-    PARENT,
-    PROMPT_TOKENS,
-    TAIL,
     UNKNOWN,
     Kvmiss,
     Sender,
@@ -34,8 +30,7 @@ from reliability_rig import (
     wait_until,
 )
 from test_fleet_edges import BothReplicas, reasons, settle
-from test_fleet_file import FleetRig, verdicts
-from test_replicas import trace_request
+from test_fleet_file import FleetRig, send_routed_request, verdicts
 
 UNKNOWN_BUDGET = 0.02
 RATE = 26.0  # requests/s, fleet-wide, aimed for (at least 20 on a loaded machine)
@@ -83,17 +78,7 @@ def paced_traffic(fleet: FleetRig, kvmiss: Kvmiss, sender: Sender, rng: random.R
         t = fleet.mark()
         wait_applied(kvmiss, {w: fleet.seqs[w] for w in fleet.members})
         for _ in range(PER_ROUND):
-            worker, block = rng.choice(fleet.members), rng.choice(universe)
-            rid = f"r{len(expected)}"
-            expected[rid], lookups[rid] = fleet.label(worker, block, t), t
-            router = {"gen_ai.request.id": rid, "kvmiss.route.worker": worker,
-                      "gen_ai.usage.cache_read.input_tokens": BLOCK, "gen_ai.usage.input_tokens": PROMPT_TOKENS,
-                      "kvmiss.block_hashes": [PARENT, block, TAIL], "kvmiss.lookup_time_unix_nano": int(t * 1e9)}
-            engine = {"gen_ai.request.id": rid, "gen_ai.usage.prompt_tokens": PROMPT_TOKENS}
-            trace_id = rng.randbytes(16)
-            for spans in ([("route", router)], [("llm_request", engine)]):
-                assert sender.send(trace_request(trace_id, spans, rng)) == 200
-                sent += len(spans)
+            sent += send_routed_request(fleet, sender, rng, universe, t, expected, lookups)
         time.sleep(max(0.0, period - (time.monotonic() - started)))
     return sent
 

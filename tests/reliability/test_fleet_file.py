@@ -133,19 +133,25 @@ def run_traffic(fleet: FleetRig, kvmiss: Kvmiss, sender: Sender, rng: random.Ran
         t = fleet.mark()
         wait_applied(kvmiss, {w: fleet.seqs[w] for w in fleet.members})
         for _ in range(per_round):
-            worker, block = rng.choice(fleet.members), rng.choice(universe)
-            rid = f"r{len(expected)}"
-            expected[rid] = fleet.label(worker, block, t)
-            lookups[rid] = t
-            router = {"gen_ai.request.id": rid, "kvmiss.route.worker": worker,
-                      "gen_ai.usage.cache_read.input_tokens": BLOCK, "gen_ai.usage.input_tokens": PROMPT_TOKENS,
-                      "kvmiss.block_hashes": [PARENT, block, TAIL], "kvmiss.lookup_time_unix_nano": int(t * 1e9)}
-            engine = {"gen_ai.request.id": rid, "gen_ai.usage.prompt_tokens": PROMPT_TOKENS}
-            trace_id = rng.randbytes(16)  # the router's and the engine's exporters send apart
-            for spans in ([("route", router)], [("llm_request", engine)]):
-                assert sender.send(trace_request(trace_id, spans, rng)) == 200
-                sent += len(spans)
+            sent += send_routed_request(fleet, sender, rng, universe, t, expected, lookups)
     return sent
+
+
+def send_routed_request(fleet: FleetRig, sender: Sender, rng: random.Random, universe: list[int], t: float,
+                        expected: dict, lookups: dict) -> int:
+    """One request looked up at ``t``, routed to a member: its truth noted, the router's span
+    and the engine's sent apart (as their exporters do); returns the spans sent."""
+    worker, block = rng.choice(fleet.members), rng.choice(universe)
+    rid = f"r{len(expected)}"
+    expected[rid], lookups[rid] = fleet.label(worker, block, t), t
+    router = {"gen_ai.request.id": rid, "kvmiss.route.worker": worker,
+              "gen_ai.usage.cache_read.input_tokens": BLOCK, "gen_ai.usage.input_tokens": PROMPT_TOKENS,
+              "kvmiss.block_hashes": [PARENT, block, TAIL], "kvmiss.lookup_time_unix_nano": int(t * 1e9)}
+    engine = {"gen_ai.request.id": rid, "gen_ai.usage.prompt_tokens": PROMPT_TOKENS}
+    trace_id = rng.randbytes(16)
+    for spans in ([("route", router)], [("llm_request", engine)]):
+        assert sender.send(trace_request(trace_id, spans, rng)) == 200
+    return 2
 
 
 def judge(expected: dict[str, str], lookups: dict[str, float], labels: dict[str, list[str]],
