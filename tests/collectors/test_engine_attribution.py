@@ -8,8 +8,6 @@ built to TensorRT-LLM's layout (tests/peers/engine_wires.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import pytest
@@ -19,49 +17,16 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otlp_sink import OtlpSink, attributes
+from running_service import RunningService
 from zmq_ports import free_tcp
 
 from kvmiss.collectors.engines import ADAPTERS
 from kvmiss.enricher.core.hashing import BlockHasher
 from kvmiss.enricher.otlp.assembly import Assembly, Fragment, to_request_facts
 from kvmiss.enricher.otlp.spans import SpanFacts
-from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.config import parse_config
 
 P, H, Q = 0xF000_0000_0000_0001, 0x8000_0000_0000_00AA, 0x0000_0000_0000_0BAD  # H: negative on the wire
-
-
-class Running:
-    """A Service on its own event loop thread, as `kvmiss serve` runs it."""
-
-    def __init__(self, config):
-        self.service: Service | None = None
-        self.error: BaseException | None = None
-        self.started, self._stop = threading.Event(), None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main(config)), daemon=True)
-        self._thread.start()
-        assert self.started.wait(15), "service did not start"
-        if self.error:
-            raise self.error
-
-    async def _main(self, config):
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            self.service = Service(config)
-            await self.service.start()
-        except BaseException as exc:
-            self.error = exc
-            self.started.set()
-            return
-        self.started.set()
-        await self._stop.wait()
-        await self.service.shutdown()
-
-    def stop(self):
-        if self._loop and self._stop:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(15)
 
 
 @pytest.fixture
@@ -113,7 +78,7 @@ def route(rid: str, lookup: float, **chain) -> dict:
 def test_a_router_sending_tensorrt_llm_wire_hashes_gets_the_labels_the_stream_proves(sink):
     endpoint, replay = free_tcp(), free_tcp()
     pub = WirePublisher("trtllm", endpoint, replay)
-    running = Running(parse_config(config_text(endpoint, replay, sink.endpoint)))
+    running = RunningService(parse_config(config_text(endpoint, replay, sink.endpoint)))
     try:
         svc = running.service
         t0 = time.time()

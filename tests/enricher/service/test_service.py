@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 import urllib.request
 
@@ -18,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otlp_sink import OtlpSink, attributes
 from raw_clients import read_until_closed, until
+from running_service import RunningService
 from sglang_publisher import batch
 
 from kvmiss.enricher.otlp.listener import ConnectionBounds
@@ -27,42 +27,6 @@ from kvmiss.enricher.service.serve import Service
 from kvmiss.schemas.config import ConfigError, parse_config
 
 P, H, Q, R = 1001, 1002, 1003, 1004  # block hashes: parent, evicted, never stored, on w1
-
-
-class RunningService:
-    """A Service on its own event loop thread, as `kvmiss serve` runs it."""
-
-    def __init__(self, config):
-        self.config = config
-        self.service: Service | None = None
-        self.started = threading.Event()
-        self.error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self._thread.start()
-        assert self.started.wait(15), "service did not start"
-        if self.error:
-            raise self.error
-
-    async def _main(self):
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        try:
-            self.service = Service(self.config)
-            await self.service.start()
-        except BaseException as exc:  # surfaced in the test thread
-            self.error = exc
-            self.started.set()
-            return
-        self.started.set()
-        await self._stop.wait()
-        await self.service.shutdown()
-
-    def stop(self):
-        if self._loop and self._stop:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(15)
 
 
 @pytest.fixture
